@@ -1,0 +1,110 @@
+"""The eager API: ``handle = tapesac.wrap(blocks)``, ``handle.stats()``, ``handle.remove()``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+
+from .block import BlockState
+from .errors import WrapError
+
+try:  # torch.distributed may be built without these; only used to recognise AC wrappers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+except ImportError:  # pragma: no cover
+    CheckpointWrapper = ()  # type: ignore[assignment,misc]
+
+
+def _state_of(module: nn.Module) -> BlockState | None:
+    fwd = module.__dict__.get("forward")
+    return getattr(fwd, "__tapesac_state__", None)
+
+
+class TapeSACHandle:
+    """The wrapped blocks of one :func:`wrap` call. Also a context manager that removes on exit."""
+
+    def __init__(self, states: list[BlockState]) -> None:
+        self.blocks = states
+        self._removed = False
+
+    def __enter__(self) -> "TapeSACHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        """Per block index: ops recorded in the last forward, ops replayed in the last backward,
+        ops in the replay closure, values read by backward, bytes kept (produced by the block),
+        bytes of held inputs, bytes allocated by replay in the last backward, tape signature."""
+        return {s.index: dict(s.stats) for s in self.blocks}
+
+    def set_policy(self, policy: "Any | None") -> None:
+        """Keep the values a :class:`~tapesac.policy.Policy` names (None: replay-only)."""
+        for s in self.blocks:
+            if policy is None:
+                s.keep, s.expected_signature = None, None
+            else:
+                entry = policy.for_block(s.index)
+                s.keep = frozenset(entry.keep)
+                s.expected_signature = entry.signature
+
+    def remove(self) -> None:
+        """Put every block back exactly as it was. Idempotent."""
+        if self._removed:
+            return
+        for s in self.blocks:
+            s.uninstall()
+        self._removed = True
+
+
+def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, debug: bool = False) -> TapeSACHandle:
+    """Wrap ``blocks`` in place so their activations are recomputed by targeted replay.
+
+    By default nothing a block produces is kept: backward holds only the block's inputs and
+    external tensors (the memory of full activation checkpointing) and recomputes, per saved
+    value, only its producer chain. ``policy`` keeps chosen values per block (see ``tapesac.plan``).
+    ``debug`` compares every recomputed value with the forward's and raises on any difference.
+    """
+    blocks = list(blocks)
+    if not blocks:
+        raise WrapError("tapesac.wrap needs at least one block")
+    seen: set[int] = set()
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise WrapError(f"block {i} is a {type(b).__name__}, not an nn.Module")
+        if id(b) in seen:
+            raise WrapError(f"block {i} appears twice in the list")
+        seen.add(id(b))
+        existing = _state_of(b)
+        if existing is not None:
+            raise WrapError(
+                f"block {i} ({type(b).__name__}) is already wrapped by TapeSAC (as block "
+                f"{existing.index}); call remove() on the earlier handle first"
+            )
+        if CheckpointWrapper and isinstance(b, CheckpointWrapper):
+            raise WrapError(
+                f"block {i} is wrapped by torch activation checkpointing (CheckpointWrapper). "
+                "TapeSAC replaces activation checkpointing: remove it (torchtitan: "
+                "activation_checkpoint.mode = 'none')"
+            )
+        if getattr(b, "_compiled_call_impl", None) is not None:
+            raise WrapError(
+                f"block {i} was compiled with module.compile(); TapeSAC records eager ops. Compile "
+                "inside the block's submodules or not at all"
+            )
+    ids = {id(b): i for i, b in enumerate(blocks)}
+    for i, b in enumerate(blocks):
+        for name, sub in b.named_modules():
+            if sub is not b and id(sub) in ids:
+                raise WrapError(
+                    f"block {ids[id(sub)]} is nested inside block {i} (as '{name}'); wrap either "
+                    "the outer or the inner blocks, not both"
+                )
+    states = [BlockState(i, b, debug=debug) for i, b in enumerate(blocks)]
+    for s in states:
+        s.install()
+    handle = TapeSACHandle(states)
+    if policy is not None:
+        handle.set_policy(policy)
+    return handle

@@ -1,0 +1,125 @@
+"""Per-block state and the forward wrapper that records a block and installs the saved-tensor hooks.
+
+A wrapped block's ``forward`` is replaced by an instance attribute, so module hooks (FSDP2's
+unshard/reshard among them) still run around it: recording happens strictly inside them, with
+the parameters unsharded, and replay later happens inside the block's own backward without
+running any module hook again.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .errors import PolicyError, TapeSACError
+from .recorder import Recorder, unpack_saved
+
+_local = threading.local()
+
+
+def _active_block() -> "BlockState | None":
+    return getattr(_local, "active", None)
+
+
+class BlockState:
+    """Everything TapeSAC knows about one wrapped block. Holds the module weakly (no cycle)."""
+
+    def __init__(self, index: int, module: nn.Module, debug: bool = False) -> None:
+        self.index = index
+        self._module = weakref.ref(module)
+        self._had_forward_attr = "forward" in module.__dict__
+        self._saved_forward_attr = module.__dict__.get("forward")
+        self.original_forward: Callable = module.forward
+        self.debug = debug
+        self.keep: frozenset | None = None
+        """Positions ``(op index, slot)`` to keep; None keeps nothing the block produced."""
+        self.expected_signature: str | None = None
+        """Tape signature the keep set was made for; a different tape is an error."""
+        self.on_record: Callable[["BlockState", Recorder, tuple, dict], None] | None = None
+        """Called after each recorded forward (profiling, planning hooks)."""
+        self.stats: dict[str, Any] = {
+            "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
+            "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None,
+        }
+        self.last_recorder: weakref.ref | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        m = self._module()
+        if m is None:
+            raise TapeSACError(f"TapeSAC block {self.index}: the module was garbage-collected")
+        return m
+
+    def install(self) -> None:
+        state = self
+
+        @torch.compiler.disable
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return state.forward(*args, **kwargs)
+
+        forward.__tapesac_state__ = self  # type: ignore[attr-defined]
+        self.module.forward = forward
+
+    def uninstall(self) -> None:
+        m = self._module()
+        if m is None:
+            return
+        if self._had_forward_attr:
+            m.forward = self._saved_forward_attr
+        else:
+            m.__dict__.pop("forward", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if not (torch.is_grad_enabled() and module.training):
+            return self.original_forward(*args, **kwargs)
+        outer = _active_block()
+        if outer is not None:
+            raise TapeSACError(
+                f"TapeSAC block {self.index} ran inside the forward of wrapped block {outer.index}; "
+                "wrap only the outermost blocks"
+            )
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            raise TapeSACError(
+                f"TapeSAC block {self.index} ran under another saved-tensor hook (torch.utils.checkpoint, "
+                "save_on_cpu, or torchtitan activation checkpointing). TapeSAC replaces activation "
+                "checkpointing: remove the other one (torchtitan: activation_checkpoint.mode = 'none')"
+            )
+        owned = {id(t) for t in module.parameters()}
+        owned.update(id(t) for t in module.buffers())
+        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned)
+        _local.active = self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(rec.pack, unpack_saved), rec:
+                out = self.original_forward(*args, **kwargs)
+        finally:
+            _local.active = None
+        self._finish(rec, args, kwargs)
+        return out
+
+    def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> None:
+        if self.expected_signature is not None:
+            sig = rec.tape.signature()
+            if sig != self.expected_signature:
+                raise PolicyError(
+                    f"TapeSAC block {self.index}: the recorded tape (signature {sig}, "
+                    f"{len(rec.tape.ops)} ops) is not the one the policy was made for (signature "
+                    f"{self.expected_signature}). Input shapes or the model changed: re-plan, or "
+                    "remove the policy to fall back to replay-only"
+                )
+            self.stats["signature"] = sig
+        if self.on_record is not None:
+            self.on_record(self, rec, args, kwargs)
+        replayer = rec.finalize()
+        replayer.stats = self.stats
+        s = self.stats
+        s["ops_recorded"] = len(rec.tape.ops)
+        s["ops_in_closure"] = len(replayer.closure_ops)
+        s["values_read"] = len(rec.tape.read_vids())
+        s["kept_bytes"] = replayer.kept_bytes()
+        s["input_bytes"] = replayer.input_bytes(rec.owned_vids)
+        self.last_recorder = weakref.ref(rec)

@@ -1,0 +1,140 @@
+"""What the recorder needs to know about an ATen overload, read once from its schema and tags.
+
+The answers are cached per overload, so the recorder's hot path pays one dict lookup per op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+# Namespaces whose ops talk to other ranks or to the outside world: never replayed.
+_COLLECTIVE_NAMESPACES = frozenset(
+    {"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"}
+)
+
+# Ops that write an argument without saying so in their schema (the schema predates mutation
+# annotations): the running statistics of batch norm, written only when ``training`` (arg 5).
+# Their writes do not bump version counters.
+_UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+_TRAINING_ARG = 5
+
+_TAGS_DATA_DEPENDENT = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """Facts about one overload that decide how it is recorded and replayed."""
+
+    name: str
+    write_args: tuple[tuple[int, str, bool], ...]
+    """(position, name, bumps_version) of every argument the op writes: schema ``a!`` (bumps the
+    version counter) plus known unannotated writes (do not)."""
+    write_if_training: bool
+    """The unannotated writes happen only when the ``training`` argument is true."""
+    inplace_view: bool
+    """The op changes a tensor's view metadata in place (``t_``, ``as_strided_``)."""
+    random: bool
+    """Tagged ``nondeterministic_seeded``: replay must restore the generator state."""
+    keep_only: str | None
+    """Why the op's outputs may never be recomputed (collective, data-dependent), or None."""
+    index_like: bool = False
+    """Advanced indexing: data-dependent only when an index is a boolean mask (see
+    :func:`keep_only_reason`)."""
+
+
+_CACHE: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    """The cached :class:`OpInfo` of ``func`` (an ``OpOverload`` or any dispatched callable)."""
+    info = _CACHE.get(func)
+    if info is None:
+        info = _CACHE[func] = _analyse(func)
+    return info
+
+
+def _analyse(func: Any) -> OpInfo:
+    schema = getattr(func, "_schema", None)
+    name = str(func)
+    if schema is None:
+        return OpInfo(name, (), False, False, False, "not an ATen overload: cannot be replayed")
+    writes = [
+        (i, a.name, True)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    extra = _UNANNOTATED_WRITES.get(schema.name, ())
+    writes += [(i, schema.arguments[i].name, False) for i in extra]
+    tags = getattr(func, "tags", ())
+    keep_only = None
+    namespace = getattr(func, "namespace", "aten")
+    if namespace in _COLLECTIVE_NAMESPACES:
+        keep_only = f"collective {name}: replay would communicate again"
+    elif any(t in tags for t in _TAGS_DATA_DEPENDENT):
+        keep_only = f"data-dependent {name}: replay would synchronise with the host"
+    return OpInfo(
+        name=name,
+        write_args=tuple(writes),
+        write_if_training=bool(extra),
+        inplace_view=torch.Tag.inplace_view in tags,
+        random=torch.Tag.nondeterministic_seeded in tags,
+        keep_only=keep_only,
+        index_like=schema.name in _INDEX_OPS,
+    )
+
+
+# Advanced indexing is tagged dynamic-shape because a boolean mask makes the output size depend
+# on the data; with integer indices (MoE token routing) the shape is static and replay is safe.
+_INDEX_OPS = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
+                        "aten::_unsafe_index", "aten::_unsafe_index_put"})
+
+
+def keep_only_reason(info: OpInfo, args: tuple) -> str | None:
+    """Why this call's outputs must be kept, or None when replaying it is safe."""
+    if info.keep_only is None or not info.index_like:
+        return info.keep_only
+    indices = args[1] if len(args) > 1 else ()
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
+        return info.keep_only
+    return None
+
+
+def written_tensors(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
+    """(tensor, bumps_version) for each tensor ``func(*args, **kwargs)`` writes, in schema order."""
+    if info.write_if_training:
+        training = args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training")
+        if not training:
+            return []
+    out: list[tuple[torch.Tensor, bool]] = []
+    for pos, name, bumps in info.write_args:
+        a = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(a, torch.Tensor):
+            out.append((a, bumps))
+        elif isinstance(a, (list, tuple)):
+            out.extend((x, bumps) for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def generator_for(func: Any, args: tuple, kwargs: dict, device: torch.device | None):
+    """The generator a random op draws from: its ``generator`` argument or the device default."""
+    gen = kwargs.get("generator")
+    if gen is None:
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.name == "generator" and i < len(args):
+                gen = args[i]
+                break
+    if gen is not None:
+        return gen
+    if device is None or device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
