@@ -39,6 +39,10 @@ class TapeSACHandle:
         bytes of held inputs, bytes allocated by replay in the last backward, tape signature."""
         return {s.index: dict(s.stats) for s in self.blocks}
 
+    def tapes(self) -> dict[int, Any]:
+        """Per block index, the :class:`~tapesac.tape.Tape` of its last recorded forward."""
+        return {s.index: s.last_tape for s in self.blocks if s.last_tape is not None}
+
     def set_policy(self, policy: "Any | None") -> None:
         """Keep the values a :class:`~tapesac.policy.Policy` names (None: replay-only)."""
         for s in self.blocks:

@@ -46,6 +46,8 @@ class BlockState:
             "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None,
         }
         self.last_recorder: weakref.ref | None = None
+        self.last_tape = None
+        """The Tape of the last recorded forward (plain data, no tensors)."""
 
     @property
     def module(self) -> nn.Module:
@@ -123,3 +125,4 @@ class BlockState:
         s["kept_bytes"] = replayer.kept_bytes()
         s["input_bytes"] = replayer.input_bytes(rec.owned_vids)
         self.last_recorder = weakref.ref(rec)
+        self.last_tape = rec.tape
