@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and run the whole test suite on CPU, two workers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -n 2 -q "$@"

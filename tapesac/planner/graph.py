@@ -1,0 +1,182 @@
+"""The planner's view of a block: plain data, no tensors.
+
+A :class:`BlockGraph` is a tape reduced to what the keep/recompute decision needs: ops with a
+replay time, values with a producing op and the storage they live in, which values backward
+reads, and which values are always available (held anyway: block inputs, parameters and their
+views, outputs of ops that must never be replayed). It is JSON-serialisable, so a graph
+measured on a real model can be saved, shared between ranks and planned offline.
+
+The cost model is the executor's: replaying a keep set runs the producer closure of the read
+values that are not kept, stopping at kept and always-available values; its time is the sum of
+those ops' times (each op once). Kept memory counts each storage once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+
+@dataclasses.dataclass
+class BlockGraph:
+    op_time_s: list[float]
+    """Replay time of each op."""
+    op_deps: list[list[int]]
+    """Values each op reads."""
+    value_op: list[int]
+    """Producing op of each value; -1 for values that are always available."""
+    value_storage: list[int]
+    """Storage of each value (values that alias share one)."""
+    storage_bytes: list[float]
+    """Bytes of each storage."""
+    read: list[int]
+    """Values backward reads."""
+    keepable: list[bool] | None = None
+    """Whether each value may be kept (False: an in-place write clobbers it later). None: all."""
+    fresh_storages: list[list[int]] | None = None
+    """Storages each op allocates (for the replay transient); None: its values' storages."""
+    names: list[str] | None = None
+    """Value names (for display); None: indices."""
+    op_names: list[str] | None = None
+    fixed_bytes: float = 0.0
+    """Bytes held whatever the plan (outputs of keep-only ops that backward needs)."""
+    signature: str = ""
+
+    # Derived ---------------------------------------------------------------------------------
+
+    @property
+    def num_values(self) -> int:
+        return len(self.value_op)
+
+    def value_name(self, v: int) -> str:
+        return self.names[v] if self.names else str(v)
+
+    def is_keepable(self, v: int) -> bool:
+        return self.value_op[v] >= 0 and (self.keepable is None or self.keepable[v])
+
+    def op_outputs(self) -> list[list[int]]:
+        outs: list[list[int]] = [[] for _ in self.op_time_s]
+        for v, o in enumerate(self.value_op):
+            if o >= 0:
+                outs[o].append(v)
+        return outs
+
+    def op_fresh_storages(self) -> list[list[int]]:
+        if self.fresh_storages is not None:
+            return self.fresh_storages
+        fresh: list[list[int]] = [[] for _ in self.op_time_s]
+        seen: set[int] = set()
+        for v, o in enumerate(self.value_op):
+            s = self.value_storage[v]
+            if o >= 0 and s not in seen:
+                fresh[o].append(s)
+            seen.add(s)
+        return fresh
+
+    # The executor's cost model ----------------------------------------------------------------
+
+    def closure(self, kept: Iterable[int]) -> set[int]:
+        """Ops replay runs when ``kept`` values are held: the producer closure of the read values."""
+        kept = set(kept)
+        ops: set[int] = set()
+        seen: set[int] = set()
+        stack = [v for v in self.read if v not in kept and self.value_op[v] >= 0]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            o = self.value_op[v]
+            if o in ops:
+                continue
+            ops.add(o)
+            for d in self.op_deps[o]:
+                if d not in kept and self.value_op[d] >= 0 and d not in seen:
+                    stack.append(d)
+        return ops
+
+    def recompute_time(self, kept: Iterable[int]) -> float:
+        return sum(self.op_time_s[o] for o in self.closure(kept))
+
+    def kept_bytes(self, kept: Iterable[int]) -> float:
+        return sum(self.storage_bytes[s] for s in {self.value_storage[v] for v in kept})
+
+    def transient_bytes(self, kept: Iterable[int]) -> float:
+        """Upper bound on replay's transient: every storage the replayed ops allocate."""
+        fresh = self.op_fresh_storages()
+        return sum(self.storage_bytes[s] for s in {s for o in self.closure(kept) for s in fresh[o]})
+
+    def block_replay_time(self) -> float:
+        """Time to rerun the whole block forward (full activation checkpointing)."""
+        return sum(self.op_time_s)
+
+    def replay_only_time(self) -> float:
+        return self.recompute_time(())
+
+    # JSON --------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BlockGraph":
+        return cls(**data)
+
+    @classmethod
+    def from_abstract(cls, data: dict[str, Any]) -> "BlockGraph":
+        """The frontier tool's input: ``{"ops": {name: {"time", "bytes", "deps"}}, "read": [...]}``.
+
+        Each entry is one value made by one op into its own storage.
+        """
+        from ..errors import PlanError
+
+        ops = data.get("ops")
+        if not isinstance(ops, dict) or not ops:
+            raise PlanError("graph needs a non-empty 'ops' object")
+        names = list(ops)
+        index = {n: i for i, n in enumerate(names)}
+        times, deps, sizes = [], [], []
+        for n in names:
+            spec = ops[n]
+            try:
+                t, b = float(spec["time"]), float(spec["bytes"])
+                d = [index[x] for x in spec.get("deps", [])]
+            except KeyError as e:
+                raise PlanError(f"op {n!r}: missing field or unknown dependency {e}") from None
+            except (TypeError, ValueError):
+                raise PlanError(f"op {n!r}: time and bytes must be numbers") from None
+            if t < 0 or b < 0:
+                raise PlanError(f"op {n!r}: time and bytes must be non-negative")
+            times.append(t)
+            sizes.append(b)
+            deps.append(d)
+        try:
+            read = sorted({index[r] for r in data.get("read", [])})
+        except KeyError as e:
+            raise PlanError(f"read names an unknown op {e}") from None
+        _check_acyclic(deps, names)
+        n = len(names)
+        return cls(op_time_s=times, op_deps=deps, value_op=list(range(n)), value_storage=list(range(n)),
+                   storage_bytes=sizes, read=read, names=names, op_names=names)
+
+
+def _check_acyclic(deps: list[list[int]], names: list[str]) -> None:
+    from ..errors import PlanError
+
+    state = [0] * len(deps)  # 0 new, 1 on stack, 2 done
+    for root in range(len(deps)):
+        if state[root]:
+            continue
+        stack = [(root, iter(deps[root]))]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+            elif state[nxt] == 1:
+                raise PlanError(f"graph has a cycle through {names[nxt]!r}")
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                stack.append((nxt, iter(deps[nxt])))

@@ -1,0 +1,274 @@
+"""The keep/recompute MILP of one block, solved with HiGHS, and its memory/time Pareto frontier.
+
+Variables (all binary): ``r[o]`` op o is replayed, ``k[v]`` value v is kept, ``x[s]`` storage s
+holds a kept value, ``y[s]`` storage s is allocated by a replayed op (the replay transient).
+
+* every read value is kept or replayed:              k[v] + r[op(v)] >= 1
+* a replayed op finds each input kept or replayed:   k[u] + r[op(u)] >= r[o]   (u an input of o)
+* a storage holding a kept value is paid once:       x[s] >= k[v]
+* a replayed op's fresh storages are transient:      y[s] >= r[o]
+* kept bytes  K = sum bytes[s] x[s] <= kappa;  replay time  R = sum time[o] r[o]
+
+Minimising R makes ``r`` exactly the producer closure the executor runs, so the objective is the
+time of the union of producer chains, each op counted once (not a sum over unkept values).
+Only ops in the replay-only closure and the values they make take part: keeping anything else
+cannot help. Solutions are re-evaluated exactly with :class:`BlockGraph`'s cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import PlanError
+from .graph import BlockGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One keep set of one block, with its exactly evaluated costs."""
+
+    kept: tuple[int, ...]
+    """Kept values (indices into the graph's values)."""
+    memory: float
+    """Kept bytes (each storage once)."""
+    time: float
+    """Replay time of the block's backward."""
+    transient: float = 0.0
+    """Upper bound on bytes replay allocates during the block's backward."""
+
+
+_banner_silenced = False
+
+
+def _highs():
+    """A quiet HiGHS instance. Its first construction prints a banner on the C-level stdout,
+    which would corrupt ``--json`` output; it is sent to /dev/null instead."""
+    global _banner_silenced
+    import highspy
+
+    if _banner_silenced:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
+        _banner_silenced = True
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("mip_abs_gap", 1e-12)
+    h.setOptionValue("mip_feasibility_tolerance", 1e-9)
+    h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    return h
+
+
+class BlockModel:
+    """The MILP of one block, built once and re-solved for many memory bounds."""
+
+    def __init__(self, g: BlockGraph) -> None:
+        import highspy
+
+        self.g = g
+        ops = sorted(g.closure(()))
+        self.ops = ops
+        op_col = {o: i for i, o in enumerate(ops)}
+        produced = [v for v in range(g.num_values) if g.value_op[v] in op_col]
+        cand = [v for v in produced if g.is_keepable(v)]
+        k_col = {v: len(ops) + i for i, v in enumerate(cand)}
+        storages = sorted({g.value_storage[v] for v in cand})
+        x_col = {s: len(ops) + len(cand) + i for i, s in enumerate(storages)}
+        fresh = g.op_fresh_storages()
+        t_storages = sorted({s for o in ops for s in fresh[o]})
+        y_col = {s: len(ops) + len(cand) + len(storages) + i for i, s in enumerate(t_storages)}
+        n = len(ops) + len(cand) + len(storages) + len(t_storages)
+        self.cand, self.k_col, self.n = cand, k_col, n
+
+        # Scale costs to O(1): HiGHS's tolerances are absolute.
+        self.t_scale = max([g.op_time_s[o] for o in ops] + [1e-30])
+        self.m_scale = max([g.storage_bytes[s] for s in storages + t_storages] + [1e-30])
+        self.time_cost = np.zeros(n)
+        for o, c in op_col.items():
+            self.time_cost[c] = g.op_time_s[o] / self.t_scale
+        self.mem_cost = np.zeros(n)
+        for s, c in x_col.items():
+            self.mem_cost[c] = g.storage_bytes[s] / self.m_scale
+        self.trans_cost = np.zeros(n)
+        for s, c in y_col.items():
+            self.trans_cost[c] = g.storage_bytes[s] / self.m_scale
+
+        rows: list[tuple[list[int], list[float], float]] = []  # (cols, coefs, lower bound)
+        lower = np.zeros(n)
+        upper = np.ones(n)
+        for v in g.read:
+            o = g.value_op[v]
+            if o < 0:
+                continue
+            if v in k_col:
+                rows.append(([k_col[v], op_col[o]], [1.0, 1.0], 1.0))
+            else:
+                lower[op_col[o]] = 1.0  # not keepable: must be replayed
+        for o in ops:
+            for u in set(g.op_deps[o]):
+                ou = g.value_op[u]
+                if ou < 0:
+                    continue
+                cols, coefs = [op_col[ou], op_col[o]], [1.0, -1.0]
+                if u in k_col:
+                    cols.insert(0, k_col[u])
+                    coefs.insert(0, 1.0)
+                rows.append((cols, coefs, 0.0))
+        for v in cand:
+            rows.append(([x_col[g.value_storage[v]], k_col[v]], [1.0, -1.0], 0.0))
+        for o in ops:
+            for s in fresh[o]:
+                rows.append(([y_col[s], op_col[o]], [1.0, -1.0], 0.0))
+
+        inf = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_col_ = n
+        lp.col_cost_ = self.time_cost
+        lp.col_lower_ = lower
+        lp.col_upper_ = upper
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * n
+        starts, index, value, rlo, rhi = [0], [], [], [], []
+        for cols, coefs, lo in rows:
+            index += cols
+            value += coefs
+            starts.append(len(index))
+            rlo.append(lo)
+            rhi.append(inf)
+        # The two budget rows: kept memory (row M) and replay time (row T).
+        self.row_mem = len(rlo)
+        nz_m = np.nonzero(self.mem_cost)[0]
+        index += nz_m.tolist()
+        value += self.mem_cost[nz_m].tolist()
+        starts.append(len(index))
+        rlo.append(-inf)
+        rhi.append(inf)
+        self.row_time = len(rlo)
+        nz_t = np.nonzero(self.time_cost)[0]
+        index += nz_t.tolist()
+        value += self.time_cost[nz_t].tolist()
+        starts.append(len(index))
+        rlo.append(-inf)
+        rhi.append(inf)
+        lp.num_row_ = len(rlo)
+        lp.row_lower_ = np.array(rlo)
+        lp.row_upper_ = np.array(rhi)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(value)
+        lp.a_matrix_.num_col_ = n
+        lp.a_matrix_.num_row_ = len(rlo)
+        self.h = _highs()
+        self.h.passModel(lp)
+        self._inf = inf
+
+    def set_time_limit(self, seconds: float) -> None:
+        self.h.setOptionValue("time_limit", float(seconds))
+
+    def _run(self, cost: np.ndarray) -> np.ndarray | None:
+        import highspy
+
+        h = self.h
+        h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
+        h.run()
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return None
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise PlanError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
+        return np.asarray(h.getSolution().col_value)
+
+    def solve(self, max_memory: float = math.inf, transient_weight: float = 0.0) -> Point | None:
+        """Min replay time with kept bytes <= ``max_memory``; ties go to the least memory.
+
+        Returns None when infeasible (only possible for a negative bound).
+        """
+        h = self.h
+        inf = self._inf
+        kappa = inf if math.isinf(max_memory) else max_memory / self.m_scale
+        h.changeRowBounds(self.row_mem, -inf, kappa)
+        h.changeRowBounds(self.row_time, -inf, inf)
+        sol = self._run(self.time_cost)
+        if sol is None:
+            return None
+        best = float(self.time_cost @ sol)
+        h.changeRowBounds(self.row_time, -inf, best * (1 + 1e-9) + 1e-12)
+        sol2 = self._run(self.mem_cost + transient_weight * self.trans_cost)
+        if sol2 is not None:
+            sol = sol2
+        kept = tuple(v for v in self.cand if sol[self.k_col[v]] > 0.5)
+        return evaluate(self.g, kept)
+
+
+def evaluate(g: BlockGraph, kept: Sequence[int]) -> Point:
+    """A keep set's exact costs, dropping kept values that change nothing."""
+    kept = set(kept)
+    ops = g.closure(kept)
+    # A kept value is useful only if backward reads it or a replayed op reads it.
+    needed = set(g.read) | {d for o in ops for d in g.op_deps[o]}
+    kept = tuple(sorted(v for v in kept if v in needed))
+    return Point(kept, g.kept_bytes(kept), sum(g.op_time_s[o] for o in ops), g.transient_bytes(kept))
+
+
+def pareto(points: Sequence[Point]) -> list[Point]:
+    """One point per Pareto-optimal (memory, time) pair, memory ascending."""
+    best: list[Point] = []
+    for p in sorted(points, key=lambda p: (p.memory, p.time, len(p.kept))):
+        if best and best[-1].memory == p.memory:
+            continue
+        if best and p.time >= best[-1].time:
+            continue
+        best.append(p)
+    return best
+
+
+def frontier(g: BlockGraph, max_points: int | None = None, time_limit_s: float | None = None,
+             transient_weight: float = 0.0) -> list[Point]:
+    """The block's memory/time Pareto frontier, memory ascending.
+
+    ``max_points=None`` walks every Pareto point (epsilon-constraint on memory, each step strictly
+    below the last point's memory). Otherwise about ``max_points`` points at evenly spaced memory
+    bounds, each Pareto-optimal, from replay-only to keep-what-pays.
+    """
+    model = BlockModel(g)
+    if time_limit_s is not None:
+        model.set_time_limit(time_limit_s)
+    top = model.solve(math.inf, transient_weight)
+    points = [top]
+    integral = all(float(b).is_integer() for b in g.storage_bytes)
+    if max_points is None:
+        step = 1.0 if integral else max(1e-9 * sum(g.storage_bytes), 1e-12)
+        kappa = top.memory - step
+        while kappa >= 0:
+            p = model.solve(kappa, transient_weight)
+            if p is None:
+                break
+            if p.memory > kappa:  # a solver tolerance let it through: ask for a bit less
+                step *= 2
+                kappa = min(kappa, points[-1].memory) - step
+                continue
+            points.append(p)
+            kappa = p.memory - step
+    else:
+        for i in range(max_points - 1):
+            kappa = top.memory * (max_points - 2 - i) / max(max_points - 1, 1)
+            p = model.solve(kappa, transient_weight)
+            if p is not None:
+                points.append(p)
+    return pareto(points)
