@@ -39,6 +39,8 @@ class BlockState:
         """Positions ``(op index, slot)`` to keep; None keeps nothing the block produced."""
         self.expected_signature: str | None = None
         """Tape signature the keep set was made for; a different tape is an error."""
+        self.timer = None
+        """An OpTimer while profiling: the next forwards time every op."""
         self.on_record: Callable[["BlockState", Recorder, tuple, dict], None] | None = None
         """Called after each recorded forward (profiling, planning hooks)."""
         self.stats: dict[str, Any] = {
@@ -93,7 +95,7 @@ class BlockState:
             )
         owned = {id(t) for t in module.parameters()}
         owned.update(id(t) for t in module.buffers())
-        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned)
+        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer)
         _local.active = self
         try:
             with torch.autograd.graph.saved_tensors_hooks(rec.pack, unpack_saved), rec:

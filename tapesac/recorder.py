@@ -84,9 +84,11 @@ class Recorder(TorchDispatchMode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
-                 owned: set[int] | None = None) -> None:
+                 owned: set[int] | None = None, timer=None) -> None:
         super().__init__()
         self.block = block
+        self.timer = timer
+        """An :class:`~tapesac.profile.OpTimer` in profiling forwards, else None."""
         self.tape = Tape()
         self.held: dict[int, Tensor] = {}
         """vid -> detached tensor kept for backward (see invariant 2)."""
@@ -166,6 +168,7 @@ class Recorder(TorchDispatchMode):
         vid = self._produced(idx, 0, t, t._version, sid)
         op.outs = [vid]
         op.n_returned = 1
+        op.time_s = 0.0
         return vid
 
     # Recording ------------------------------------------------------------------------------
@@ -223,7 +226,11 @@ class Recorder(TorchDispatchMode):
             if gen is not None:
                 rng = (gen, gen.get_state())
 
-        out = func(*args, **kwargs)
+        if self.timer is None:
+            out = func(*args, **kwargs)
+            elapsed = None
+        else:
+            out, elapsed = self.timer.call(func, args, kwargs, can_repeat=not written, rng=rng)
 
         flat = flatten_outputs(out)
         if not written and not any(isinstance(o, Tensor) for o in flat):
@@ -232,6 +239,7 @@ class Recorder(TorchDispatchMode):
         idx = len(tape.ops)
         op = TapeOp(func, eargs, ekwargs, tuple(dict.fromkeys(deps)))
         op.rng = rng
+        op.time_s = elapsed
         op.inplace_view = info.inplace_view
         op.keep_only = (keep_only_reason(info, args) if info.keep_only else None) or (
             "random op on a device without a known generator" if info.random and rng is None else None)

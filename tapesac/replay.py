@@ -106,6 +106,11 @@ class Replayer:
         self.cache.update(self.kept)
         self._reads_left = self._reads0
         self._pass_started = False
+        self.on_first_unpack = None
+        """Called once, at the first unpack (the block's backward starts): memory tracing."""
+        self.track_transient = False
+        self.transient_peak_bytes = 0
+        """While tracking: peak bytes of distinct storages replay holds (cache and chain)."""
 
     # Accounting -------------------------------------------------------------------------------
 
@@ -134,6 +139,9 @@ class Replayer:
 
     def _new_pass(self) -> None:
         """Every saved value was unpacked once (or this is the first unpack): reset the counts."""
+        if not self._pass_started and self.on_first_unpack is not None:
+            self.on_first_unpack(self)
+            self.on_first_unpack = None
         self.rc = dict(self._rc0)
         self._reads_left = self._reads0
         self._pass_started = True
@@ -158,6 +166,8 @@ class Replayer:
             t = self._materialize(vid)
         self._reads_left -= 1
         self._release(vid)
+        if self.track_transient:
+            self._note_transient({})
         if self.debug_refs is not None:
             self._check(vid, t)
         return t
@@ -285,6 +295,18 @@ class Replayer:
                 cache.pop(d, None)
             if pending[d] <= 0 and d != target:
                 local.pop(d, None)
+        if self.track_transient:
+            self._note_transient(local)
+
+    def _note_transient(self, local: dict[int, Tensor]) -> None:
+        sizes: dict[int, int] = {}
+        for d in (self.cache, local):
+            for vid, t in d.items():
+                if vid not in self.pinned:
+                    sizes[_storage_ptr(t)] = t.untyped_storage().nbytes()
+        total = sum(sizes.values())
+        if total > self.transient_peak_bytes:
+            self.transient_peak_bytes = total
 
     def _shared(self, vid: int, t: Tensor, local: dict, pending: Counter) -> bool:
         """Invariant 9: would writing ``t`` in place clobber something still needed?"""

@@ -66,7 +66,7 @@ class TapeOp:
     """One recorded call: enough to run it again on other tensors of the same values."""
 
     __slots__ = ("func", "args", "kwargs", "deps", "outs", "n_returned", "writes", "rng", "keep_only",
-                 "inplace_view")
+                 "inplace_view", "time_s")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, deps: tuple[int, ...]) -> None:
         self.func = func
@@ -86,6 +86,8 @@ class TapeOp:
         self.keep_only: str | None = None
         """Why this op's values must never be recomputed, or None."""
         self.inplace_view = False
+        self.time_s: float | None = None
+        """Measured run time (profiling forwards only)."""
 
 
 def flatten_outputs(out: Any) -> list:

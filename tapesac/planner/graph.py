@@ -33,11 +33,11 @@ class BlockGraph:
     """Values backward reads."""
     keepable: list[bool] | None = None
     """Whether each value may be kept (False: an in-place write clobbers it later). None: all."""
-    fresh_storages: list[list[int]] | None = None
-    """Storages each op allocates (for the replay transient); None: its values' storages."""
     names: list[str] | None = None
     """Value names (for display); None: indices."""
     op_names: list[str] | None = None
+    positions: list[tuple[int, int]] | None = None
+    """Tape position ``(op index, slot)`` of each value: what a policy stores."""
     fixed_bytes: float = 0.0
     """Bytes held whatever the plan (outputs of keep-only ops that backward needs)."""
     signature: str = ""
@@ -60,18 +60,6 @@ class BlockGraph:
             if o >= 0:
                 outs[o].append(v)
         return outs
-
-    def op_fresh_storages(self) -> list[list[int]]:
-        if self.fresh_storages is not None:
-            return self.fresh_storages
-        fresh: list[list[int]] = [[] for _ in self.op_time_s]
-        seen: set[int] = set()
-        for v, o in enumerate(self.value_op):
-            s = self.value_storage[v]
-            if o >= 0 and s not in seen:
-                fresh[o].append(s)
-            seen.add(s)
-        return fresh
 
     # The executor's cost model ----------------------------------------------------------------
 
@@ -102,9 +90,13 @@ class BlockGraph:
         return sum(self.storage_bytes[s] for s in {self.value_storage[v] for v in kept})
 
     def transient_bytes(self, kept: Iterable[int]) -> float:
-        """Upper bound on replay's transient: every storage the replayed ops allocate."""
-        fresh = self.op_fresh_storages()
-        return sum(self.storage_bytes[s] for s in {s for o in self.closure(kept) for s in fresh[o]})
+        """Replay's transient: storages of the read values that are rebuilt. Replay caches each
+        until backward unpacks it, and the first unpack of a block rebuilds nearly all of them,
+        so they are alive together; other rebuilt values live only until their consumers run."""
+        kept = set(kept)
+        ops = self.closure(kept)
+        return sum(self.storage_bytes[s] for s in
+                   {self.value_storage[v] for v in self.read if v not in kept and self.value_op[v] in ops})
 
     def block_replay_time(self) -> float:
         """Time to rerun the whole block forward (full activation checkpointing)."""
@@ -120,6 +112,9 @@ class BlockGraph:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "BlockGraph":
+        data = dict(data)
+        if data.get("positions") is not None:
+            data["positions"] = [tuple(p) for p in data["positions"]]
         return cls(**data)
 
     @classmethod

@@ -1,0 +1,276 @@
+"""Share one step-peak limit among blocks: pick one frontier point per block (a HiGHS MILP).
+
+Each block b chooses a point p of its kind's frontier (kept bytes K, transient T, replay time R).
+For every window w of the step-peak model:
+
+    peak_w + sum_{b alive in w} K[b, p_b] + (T[r_w, p] - T[r_w, replay-only]) <= limit
+
+where r_w is the block replaying in w. The objective is the total replay time. Identical blocks
+share one frontier; their choices may still differ (deeper blocks live shorter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+
+from ..errors import PlanError
+from ..memory import StepMemory
+from .milp import Point, _highs
+
+log = logging.getLogger("tapesac")
+
+
+@dataclasses.dataclass
+class Allocation:
+    points: dict[int, Point]
+    """Chosen point per block."""
+    predicted_peak_bytes: float
+    recompute_s: float
+    status: str
+    """"optimal", "time limit (best found)" or "replay-only fallback (...)"."""
+
+
+def _coefficients(memory: StepMemory, frontiers: dict[int, list[Point]]):
+    ro_transient = {b: pts[0].transient for b, pts in frontiers.items()}  # pts[0]: least memory
+    cols: list[tuple[int, int]] = [(b, i) for b, pts in sorted(frontiers.items()) for i in range(len(pts))]
+    col_of = {c: j for j, c in enumerate(cols)}
+    rows = []
+    for w in memory.windows:
+        coef: dict[int, float] = {}
+        for b in w.alive:
+            if b in frontiers:
+                for i, p in enumerate(frontiers[b]):
+                    coef[col_of[(b, i)]] = coef.get(col_of[(b, i)], 0.0) + p.memory
+        rb = w.replay_block
+        if rb is not None and rb in frontiers:
+            for i, p in enumerate(frontiers[rb]):
+                j = col_of[(rb, i)]
+                coef[j] = coef.get(j, 0.0) + p.transient - ro_transient[rb]
+        rows.append((w.peak_bytes, coef))
+    return cols, rows
+
+
+def predicted_peak(memory: StepMemory, choice: dict[int, Point], frontiers: dict[int, list[Point]]) -> float:
+    kept = {b: p.memory for b, p in choice.items()}
+    delta = {b: p.transient - frontiers[b][0].transient for b, p in choice.items()}
+    return memory.predict(kept, delta)
+
+
+def smallest_peak(memory: StepMemory, frontiers: dict[int, list[Point]]) -> float:
+    """The step peak when every block keeps nothing beyond what it must."""
+    return predicted_peak(memory, {b: pts[0] for b, pts in frontiers.items()}, frontiers)
+
+
+def largest_useful_peak(memory: StepMemory, frontiers: dict[int, list[Point]]) -> float:
+    """The step peak when every block keeps what makes its replay fastest."""
+    return predicted_peak(memory, {b: pts[-1] for b, pts in frontiers.items()}, frontiers)
+
+
+def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
+           start: dict[int, int] | None = None) -> dict[int, int]:
+    """Upgrade blocks one frontier step at a time, best time saved per kept byte first, while
+    every window fits. Returns the chosen point index per block (a feasible start for the MILP).
+    ``start`` (feasible for this limit, e.g. the answer for a smaller one) is upgraded further."""
+    import heapq
+
+    windows = memory.windows
+    ro_t = {b: pts[0].transient for b, pts in frontiers.items()}
+    choice = dict(start) if start else {b: 0 for b in frontiers}
+    load = [w.peak_bytes for w in windows]
+    for wi, w in enumerate(windows):
+        for b in w.alive:
+            if b in choice:
+                load[wi] += frontiers[b][choice[b]].memory
+        if w.replay_block in choice:
+            load[wi] += frontiers[w.replay_block][choice[w.replay_block]].transient - ro_t[w.replay_block]
+    alive_in: dict[int, list[int]] = {b: [] for b in frontiers}
+    replay_in: dict[int, list[int]] = {b: [] for b in frontiers}
+    for wi, w in enumerate(windows):
+        for b in w.alive:
+            if b in alive_in:
+                alive_in[b].append(wi)
+        if w.replay_block in replay_in:
+            replay_in[w.replay_block].append(wi)
+
+    def deltas(b: int, i: int, j: int) -> tuple[float, float]:
+        p, q = frontiers[b][i], frontiers[b][j]
+        return q.memory - p.memory, (q.transient - ro_t[b]) - (p.transient - ro_t[b])
+
+    def fits(b: int, dk: float, dt: float) -> bool:
+        return all(load[wi] + dk <= limit_bytes for wi in alive_in[b] if wi not in replay_in[b]) and all(
+            load[wi] + dk * (b in windows[wi].alive) + dt <= limit_bytes for wi in replay_in[b])
+
+    def best_next(b: int):
+        i = choice[b]
+        pts = frontiers[b]
+        best = None
+        for j in range(i + 1, len(pts)):
+            saved = pts[i].time - pts[j].time
+            if saved <= 0:
+                continue
+            dk, dt = deltas(b, i, j)
+            if not fits(b, dk, dt):
+                continue
+            rate = saved / max(dk, 1.0)
+            if best is None or rate > best[0]:
+                best = (rate, j)
+        return best
+
+    heap = []
+    for b in frontiers:
+        nxt = best_next(b)
+        if nxt is not None:
+            heapq.heappush(heap, (-nxt[0], b, choice[b], nxt[1]))
+    while heap:
+        _r, b, i, j = heapq.heappop(heap)
+        if choice[b] != i:
+            continue
+        dk, dt = deltas(b, i, j)
+        if not fits(b, dk, dt):  # other upgrades used the room: look again
+            nxt = best_next(b)
+            if nxt is not None:
+                heapq.heappush(heap, (-nxt[0], b, i, nxt[1]))
+            continue
+        for wi in alive_in[b]:
+            load[wi] += dk
+        for wi in replay_in[b]:
+            load[wi] += dt
+        choice[b] = j
+        nxt = best_next(b)
+        if nxt is not None:
+            heapq.heappush(heap, (-nxt[0], b, j, nxt[1]))
+    return choice
+
+
+def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
+             time_limit_s: float = 0.5) -> Allocation:
+    """The fastest choice of frontier points whose predicted step peak fits ``limit_bytes``.
+
+    A greedy pass (best time saved per kept byte first) gives a feasible plan at once; the MILP
+    then improves on it within ``time_limit_s`` (0: greedy only). Raises PlanError when even
+    keeping nothing exceeds the limit, naming the smallest achievable peak.
+    """
+    for b, pts in frontiers.items():
+        if not pts or any(q.memory < p.memory for p, q in zip(pts, pts[1:])):
+            raise PlanError(f"block {b}: frontier must be non-empty and sorted by memory")
+    floor = smallest_peak(memory, frontiers)
+    if floor > limit_bytes:
+        raise PlanError(
+            f"memory limit {limit_bytes / 2**30:.3f} GiB is infeasible: even recomputing everything, "
+            f"the predicted step peak is {floor / 2**30:.3f} GiB ({floor:.0f} bytes). Raise the "
+            "limit (budget) to at least that, or reduce batch size or sequence length"
+        )
+    start = greedy(memory, frontiers, limit_bytes)
+    choice = {b: frontiers[b][i] for b, i in start.items()}
+    label = "greedy"
+    if time_limit_s > 0:
+        better = _polish(memory, frontiers, limit_bytes, start, time_limit_s)
+        if better is not None:
+            choice, label = better
+    peak = predicted_peak(memory, choice, frontiers)
+    if peak > limit_bytes * (1 + 1e-6):  # cannot happen beyond solver tolerance; never risk it
+        log.warning("TapeSAC planner: solution exceeds the limit by %.0f bytes; falling back to "
+                    "replay-only", peak - limit_bytes)
+        choice = {b: pts[0] for b, pts in frontiers.items()}
+        return Allocation(choice, floor, sum(p.time for p in choice.values()),
+                          "replay-only fallback (solution over the limit)")
+    return Allocation(choice, peak, sum(p.time for p in choice.values()), label)
+
+
+def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
+            start: dict[int, int], time_limit_s: float) -> tuple[dict[int, Point], str] | None:
+    """The allocation MILP, started from the greedy choice, within ``time_limit_s``.
+
+    Returns a strictly better choice and its status, or None (keep the greedy one)."""
+    import highspy
+
+    cols, rows = _coefficients(memory, frontiers)
+    n = len(cols)
+    scale = max(limit_bytes, 1.0)
+    t_scale = max([p.time for pts in frontiers.values() for p in pts] + [1e-30])
+    cost = np.array([frontiers[b][i].time / t_scale for b, i in cols])
+    inf = highspy.kHighsInf
+    starts, index, value, lo, hi = [0], [], [], [], []
+    for b in sorted(frontiers):  # exactly one point per block
+        idx = [j for j, (bb, _i) in enumerate(cols) if bb == b]
+        index += idx
+        value += [1.0] * len(idx)
+        starts.append(len(index))
+        lo.append(1.0)
+        hi.append(1.0)
+    for peak, coef in rows:
+        nz = sorted(coef)
+        index += nz
+        value += [coef[j] / scale for j in nz]
+        starts.append(len(index))
+        lo.append(-inf)
+        hi.append((limit_bytes - peak) / scale)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n
+    lp.num_row_ = len(lo)
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.ones(n)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n
+    lp.row_lower_ = np.array(lo)
+    lp.row_upper_ = np.array(hi)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(value)
+    lp.a_matrix_.num_col_ = n
+    lp.a_matrix_.num_row_ = len(lo)
+    h = _highs()
+    h.setOptionValue("mip_rel_gap", 1e-4)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.passModel(lp)
+    x0 = np.array([1.0 if start[b] == i else 0.0 for b, i in cols])
+    sol = highspy.HighsSolution()
+    sol.col_value = x0
+    h.setSolution(sol)
+    h.run()
+    status = h.getModelStatus()
+    if h.getInfo().primal_solution_status != 2:  # no feasible solution at all
+        log.info("TapeSAC planner: solver found no plan (%s); keeping the greedy one",
+                 h.modelStatusToString(status))
+        return None
+    x = np.asarray(h.getSolution().col_value)
+    if float(cost @ x) >= float(cost @ x0) - 1e-12:
+        if status != highspy.HighsModelStatus.kOptimal:
+            log.info("TapeSAC planner: solver hit its %.1f s limit without improving the greedy plan",
+                     time_limit_s)
+        return None
+    choice = {}
+    for b in sorted(frontiers):
+        best = max((j for j, (bb, _i) in enumerate(cols) if bb == b), key=lambda j: x[j])
+        choice[b] = frontiers[b][cols[best][1]]
+    label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "solver time limit (best found)"
+    return choice, label
+
+
+def global_frontier(memory: StepMemory, frontiers: dict[int, list[Point]], points: int = 24,
+                    time_limit_s: float = 0.0) -> list[Allocation]:
+    """Step-level frontier: allocations for limits spanning replay-only to keep-what-pays."""
+    lo = smallest_peak(memory, frontiers)
+    hi = largest_useful_peak(memory, frontiers)
+    limits = [lo + (hi - lo) * i / max(points - 1, 1) for i in range(points)] if hi > lo else [lo]
+    result: list[Allocation] = []
+    warm: dict[int, int] | None = None
+    for limit in limits:
+        if time_limit_s > 0:
+            a = allocate(memory, frontiers, limit, time_limit_s)
+        else:  # greedy, each limit continuing from the last one's plan
+            warm = greedy(memory, frontiers, limit, warm)
+            choice = {b: frontiers[b][i] for b, i in warm.items()}
+            a = Allocation(choice, predicted_peak(memory, choice, frontiers),
+                           sum(p.time for p in choice.values()), "greedy")
+        if not result or a.recompute_s < result[-1].recompute_s - 1e-15:
+            if result and math.isclose(a.predicted_peak_bytes, result[-1].predicted_peak_bytes):
+                result[-1] = a
+            else:
+                result.append(a)
+    return result

@@ -1,0 +1,98 @@
+"""Measured costs: per-op times during a profiling forward, and a tape turned into a BlockGraph.
+
+Times are taken inline while recording: each op that writes nothing runs ``repeats`` times
+(random ops with their generator state restored before every run) and the median is kept; the
+device is synchronised around each run (CUDA) so the time is the op's, not the queue's. The last
+run is the real one, so the forward computes exactly what it would without profiling.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .planner.graph import BlockGraph
+from .tape import EXTERNAL, PRODUCED, Tape
+
+
+class OpTimer:
+    """Times ops inline; ``sync`` makes device work finish before the clock is read."""
+
+    def __init__(self, repeats: int = 3, device_type: str = "cpu") -> None:
+        if repeats < 1:
+            raise ValueError("repeats must be >= 1")
+        self.repeats = repeats
+        self.sync: Callable[[], None] = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+
+    def call(self, func: Any, args: tuple, kwargs: dict, can_repeat: bool,
+             rng: tuple[Any, torch.Tensor] | None) -> tuple[Any, float]:
+        """Run ``func`` (the last run is the real one); return its result and median time in s."""
+        sync = self.sync
+        times = []
+        if can_repeat:
+            for _ in range(self.repeats - 1):
+                if rng is not None:
+                    rng[0].set_state(rng[1])
+                sync()
+                t0 = time.perf_counter()
+                func(*args, **kwargs)
+                sync()
+                times.append(time.perf_counter() - t0)
+            if rng is not None:
+                rng[0].set_state(rng[1])
+        sync()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        sync()
+        times.append(time.perf_counter() - t0)
+        return out, statistics.median(times)
+
+
+def merge_times(tapes: Iterable[Tape]) -> list[float]:
+    """Per-op median over several profiled tapes of one block (same signature)."""
+    tapes = list(tapes)
+    n = len(tapes[0].ops)
+    if any(len(t.ops) != n for t in tapes):
+        raise ValueError("profiled tapes of one block differ in length")
+    return [statistics.median(t.ops[i].time_s or 0.0 for t in tapes) for i in range(n)]
+
+
+def block_graph(tape: Tape, op_time_s: list[float] | None = None) -> BlockGraph:
+    """The planner's view of a recorded tape (see :class:`BlockGraph`).
+
+    Always available: externals, snapshots, views of externals, outputs of keep-only ops. Not
+    keepable: values whose storage a later op writes in place (the recorder would have to drop
+    them). The bytes of keep-only outputs backward needs are fixed, whatever the plan.
+    """
+    ops, values = tape.ops, tape.values
+    times = op_time_s if op_time_s is not None else [op.time_s or 0.0 for op in ops]
+    last_write: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for _before, after in op.writes:
+            last_write[values[after].sid] = i
+    value_op, keepable, names, positions = [], [], [], []
+    for v in values:
+        always = v.kind != PRODUCED or v.free or ops[v.op].keep_only is not None
+        value_op.append(-1 if always else v.op)
+        keepable.append(not always and last_write.get(v.sid, -1) <= v.op)
+        names.append(f"%{v.op}.{v.slot} {tape.op_name(v.op)}" if v.op >= 0 else f"%ext{v.vid}")
+        positions.append((v.op, v.slot))
+    n_storages = max(tape.storage_nbytes) + 1 if tape.storage_nbytes else 0
+    storage_bytes = [float(tape.storage_nbytes.get(s, 0)) for s in range(n_storages)]
+    read = [v.vid for v in values if v.reads and v.kind == PRODUCED and not v.free]
+    g = BlockGraph(
+        op_time_s=list(times), op_deps=[list(op.deps) for op in ops], value_op=value_op,
+        value_storage=[v.sid for v in values], storage_bytes=storage_bytes, read=read,
+        keepable=keepable, names=names,
+        op_names=[tape.op_name(i) for i in range(len(ops))], positions=positions,
+        signature=tape.signature(),
+    )
+    # Keep-only outputs that replay-only needs are held whatever the plan.
+    needed = set(read) | {d for o in g.closure(()) for d in ops[o].deps}
+    held = {values[v].sid for v in needed
+            if values[v].kind != EXTERNAL and value_op[v] == -1 and not values[v].free}
+    g.fixed_bytes = sum(storage_bytes[s] for s in held)
+    return g
