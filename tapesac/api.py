@@ -7,7 +7,7 @@ from typing import Any, Iterable
 from torch import nn
 
 from .block import BlockState
-from .errors import WrapError
+from .errors import TapeSACError, WrapError
 
 try:  # torch.distributed may be built without these; only used to recognise AC wrappers
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -26,6 +26,19 @@ class TapeSACHandle:
     def __init__(self, states: list[BlockState]) -> None:
         self.blocks = states
         self._removed = False
+        self.planner = None
+        """The :class:`~tapesac.autoplan.AutoPlanner` in planned mode, else None."""
+
+    @property
+    def plan(self):
+        """The current :class:`~tapesac.planner.Plan` (planned mode, once profiled), else None."""
+        return self.planner.plan if self.planner is not None else None
+
+    def frontier(self) -> list[dict[str, float]]:
+        """The step-level frontier of the current plan: predicted peak bytes vs recompute s."""
+        if self.plan is None:
+            raise TapeSACError("no plan yet: wrap with memory_limit_bytes and train a few steps")
+        return list(self.plan.frontier)
 
     def __enter__(self) -> "TapeSACHandle":
         return self
@@ -57,18 +70,25 @@ class TapeSACHandle:
         """Put every block back exactly as it was. Idempotent."""
         if self._removed:
             return
+        if self.planner is not None:
+            self.planner.close()
         for s in self.blocks:
             s.uninstall()
         self._removed = True
 
 
-def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, debug: bool = False) -> TapeSACHandle:
+def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes: int | None = None,
+         plan_config: Any = None, debug: bool = False) -> TapeSACHandle:
     """Wrap ``blocks`` in place so their activations are recomputed by targeted replay.
 
     By default nothing a block produces is kept: backward holds only the block's inputs and
     external tensors (the memory of full activation checkpointing) and recomputes, per saved
-    value, only its producer chain. ``policy`` keeps chosen values per block (see ``tapesac.plan``).
-    ``debug`` compares every recomputed value with the forward's and raises on any difference.
+    value, only its producer chain. ``policy`` keeps chosen values per block.
+
+    ``memory_limit_bytes`` (or a full ``tapesac.autoplan.PlanConfig``) turns on planned mode:
+    the first steps are profiled, a plan keeping what pays most under that step-peak limit is
+    solved and applied, and the next step is measured against it (``handle.plan``,
+    ``handle.frontier()``). ``debug`` compares every recomputed value with the forward's.
     """
     blocks = list(blocks)
     if not blocks:
@@ -111,4 +131,18 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, debug: bool = False
     handle = TapeSACHandle(states)
     if policy is not None:
         handle.set_policy(policy)
+    if memory_limit_bytes is not None or plan_config is not None:
+        from .autoplan import AutoPlanner, PlanConfig
+
+        if policy is not None:
+            raise WrapError("give either a policy or a memory limit, not both")
+        if plan_config is None:
+            plan_config = PlanConfig(memory_limit_bytes=int(memory_limit_bytes))
+        elif memory_limit_bytes is not None:
+            raise WrapError("give the memory limit once: in plan_config or as memory_limit_bytes")
+        try:
+            handle.planner = AutoPlanner(handle, plan_config)
+        except Exception:
+            handle.remove()
+            raise
     return handle

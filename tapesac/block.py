@@ -41,6 +41,8 @@ class BlockState:
         """Tape signature the keep set was made for; a different tape is an error."""
         self.timer = None
         """An OpTimer while profiling: the next forwards time every op."""
+        self.controller = None
+        """The AutoPlanner in planned mode (step boundaries, traces, policy mismatches)."""
         self.on_record: Callable[["BlockState", Recorder, tuple, dict], None] | None = None
         """Called after each recorded forward (profiling, planning hooks)."""
         self.stats: dict[str, Any] = {
@@ -93,6 +95,8 @@ class BlockState:
                 "save_on_cpu, or torchtitan activation checkpointing). TapeSAC replaces activation "
                 "checkpointing: remove the other one (torchtitan: activation_checkpoint.mode = 'none')"
             )
+        if self.controller is not None:
+            self.controller.before_forward(self)
         owned = {id(t) for t in module.parameters()}
         owned.update(id(t) for t in module.buffers())
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer)
@@ -102,13 +106,16 @@ class BlockState:
                 out = self.original_forward(*args, **kwargs)
         finally:
             _local.active = None
-        self._finish(rec, args, kwargs)
+        replayer = self._finish(rec, args, kwargs)
+        if self.controller is not None:
+            self.controller.after_forward(self, replayer)
         return out
 
     def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> None:
         if self.expected_signature is not None:
             sig = rec.tape.signature()
-            if sig != self.expected_signature:
+            if sig != self.expected_signature and not (
+                    self.controller is not None and self.controller.policy_mismatch(self, sig)):
                 raise PolicyError(
                     f"TapeSAC block {self.index}: the recorded tape (signature {sig}, "
                     f"{len(rec.tape.ops)} ops) is not the one the policy was made for (signature "
@@ -128,3 +135,4 @@ class BlockState:
         s["input_bytes"] = replayer.input_bytes(rec.owned_vids)
         self.last_recorder = weakref.ref(rec)
         self.last_tape = rec.tape
+        return replayer

@@ -60,7 +60,8 @@ def merge_times(tapes: Iterable[Tape]) -> list[float]:
     return [statistics.median(t.ops[i].time_s or 0.0 for t in tapes) for i in range(n)]
 
 
-def block_graph(tape: Tape, op_time_s: list[float] | None = None) -> BlockGraph:
+def block_graph(tape: Tape, op_time_s: list[float] | None = None,
+                unpack_order: list[int] | None = None) -> BlockGraph:
     """The planner's view of a recorded tape (see :class:`BlockGraph`).
 
     Always available: externals, snapshots, views of externals, outputs of keep-only ops. Not
@@ -86,6 +87,7 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None) -> BlockGraph:
     g = BlockGraph(
         op_time_s=list(times), op_deps=[list(op.deps) for op in ops], value_op=value_op,
         value_storage=[v.sid for v in values], storage_bytes=storage_bytes, read=read,
+        read_counts=[values[v].reads for v in read], unpack_order=list(unpack_order) if unpack_order else None,
         keepable=keepable, names=names,
         op_names=[tape.op_name(i) for i in range(len(ops))], positions=positions,
         signature=tape.signature(),

@@ -169,6 +169,12 @@ class Recorder(TorchDispatchMode):
         op.outs = [vid]
         op.n_returned = 1
         op.time_s = 0.0
+        if (idx, 0) in self._keep:
+            self._bypass, bypass = True, self._bypass
+            try:
+                self._hold(vid, t.detach())
+            finally:
+                self._bypass = bypass
         return vid
 
     # Recording ------------------------------------------------------------------------------

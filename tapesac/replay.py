@@ -87,7 +87,8 @@ class Replayer:
         self.pinned: dict[int, Tensor] = {}
         """Held values replay cannot rebuild (externals, snapshots, keep-only outputs, free views)."""
         self.kept: dict[int, Tensor] = {}
-        """Held values replay could rebuild; kept by the policy, dropped after their last use."""
+        """Held values replay could rebuild; kept by the policy, dropped at their last use (as
+        the cache drops rebuilt ones), or at the end of the pass."""
         for vid, t in held.items():
             v = values[vid]
             if v.kind == PRODUCED and not v.free and tape.ops[v.op].keep_only is None:
@@ -108,9 +109,10 @@ class Replayer:
         self._pass_started = False
         self.on_first_unpack = None
         """Called once, at the first unpack (the block's backward starts): memory tracing."""
-        self.track_transient = False
-        self.transient_peak_bytes = 0
-        """While tracking: peak bytes of distinct storages replay holds (cache and chain)."""
+        self.on_unpack = None
+        """Memory tracing: called at the start of every unpack of the first pass."""
+        self.unpack_log: list[int] | None = None
+        """Memory tracing: the values unpacked, in order (first pass)."""
 
     # Accounting -------------------------------------------------------------------------------
 
@@ -160,14 +162,21 @@ class Replayer:
 
     def unpack(self, vid: int) -> Tensor:
         if not self._pass_started or self._reads_left <= 0:
+            first = not self._pass_started
             self._new_pass()
+            if not first:
+                self.on_unpack = self.unpack_log = None
+        if self.on_unpack is not None:
+            self.on_unpack(self)
+            self.unpack_log.append(vid)
         t = self.cache.get(vid)
         if t is None:
             t = self._materialize(vid)
         self._reads_left -= 1
         self._release(vid)
-        if self.track_transient:
-            self._note_transient({})
+        if self._reads_left <= 0:
+            # The pass is over: kept values go too (a retained graph's next pass rebuilds them).
+            self.kept.clear()
         if self.debug_refs is not None:
             self._check(vid, t)
         return t
@@ -177,6 +186,7 @@ class Replayer:
         self.rc[vid] = n
         if n <= 0 and vid not in self.pinned:
             self.cache.pop(vid, None)
+            self.kept.pop(vid, None)
 
     def _check(self, vid: int, t: Tensor) -> None:
         ref = self.debug_refs.pop(vid, None)
@@ -253,6 +263,7 @@ class Replayer:
             else:  # written in place: the old version is gone (invariant 9 said nobody needs it)
                 local.pop(before, None)
                 cache.pop(before, None)
+                self.kept.pop(before, None)
             write_out[after] = t
 
         if op.rng is not None:
@@ -293,20 +304,9 @@ class Replayer:
             rc[d] = n
             if n <= 0 and d not in pinned:
                 cache.pop(d, None)
+                self.kept.pop(d, None)
             if pending[d] <= 0 and d != target:
                 local.pop(d, None)
-        if self.track_transient:
-            self._note_transient(local)
-
-    def _note_transient(self, local: dict[int, Tensor]) -> None:
-        sizes: dict[int, int] = {}
-        for d in (self.cache, local):
-            for vid, t in d.items():
-                if vid not in self.pinned:
-                    sizes[_storage_ptr(t)] = t.untyped_storage().nbytes()
-        total = sum(sizes.values())
-        if total > self.transient_peak_bytes:
-            self.transient_peak_bytes = total
 
     def _shared(self, vid: int, t: Tensor, local: dict, pending: Counter) -> bool:
         """Invariant 9: would writing ``t`` in place clobber something still needed?"""

@@ -36,25 +36,26 @@ def _torchtitan_case(model: nn.Module, vocab: int, seq: int = 16, batch: int = 2
     return Case(model, list(model.layers.values()), run, [])
 
 
-def llama3() -> Case:
+def llama3(layers: int = 2, seq: int = 16, batch: int = 2) -> Case:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
     torch.manual_seed(0)
-    args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
-    return _torchtitan_case(Transformer(args), 128)
+    args = TransformerModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=128,
+                                max_seq_len=seq)
+    return _torchtitan_case(Transformer(args), 128, seq, batch)
 
 
-def qwen3() -> Case:
+def qwen3(layers: int = 2, seq: int = 16, batch: int = 2) -> Case:
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.models.qwen3.model.model import Qwen3Model
 
     torch.manual_seed(0)
-    args = Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                          vocab_size=128, max_seq_len=16)
-    return _torchtitan_case(Qwen3Model(args), 128)
+    args = Qwen3ModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                          vocab_size=128, max_seq_len=seq)
+    return _torchtitan_case(Qwen3Model(args), 128, seq, batch)
 
 
-def qwen3_moe() -> Case:
+def qwen3_moe(layers: int = 2, seq: int = 16, batch: int = 2) -> Case:
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.models.qwen3.model.model import Qwen3Model
@@ -64,9 +65,9 @@ def qwen3_moe() -> Case:
     torch.manual_seed(0)
     moe = MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True,
                   score_before_experts=False, use_grouped_mm=False)
-    args = Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                          vocab_size=128, max_seq_len=16, moe_enabled=True, moe_inter_dim=32, moe_args=moe)
-    return _torchtitan_case(Qwen3Model(args), 128)
+    args = Qwen3ModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                          vocab_size=128, max_seq_len=seq, moe_enabled=True, moe_inter_dim=32, moe_args=moe)
+    return _torchtitan_case(Qwen3Model(args), 128, seq, batch)
 
 
 # Handmade blocks -----------------------------------------------------------------------------
@@ -286,6 +287,14 @@ def custom_function() -> Case:
     torch.manual_seed(0)
     return _stack_case([CustomFnBlock() for _ in range(2)], torch.randn(4, 16))
 
+
+# Activation-heavy variants: more blocks and tokens than parameters warrant, so that keeping
+# values raises the step peak and planning has a real trade-off.
+DEEP: dict[str, Callable[[], Case]] = {
+    "llama3": lambda: llama3(layers=4, seq=64, batch=4),
+    "qwen3": lambda: qwen3(layers=4, seq=64, batch=4),
+    "qwen3_moe": lambda: qwen3_moe(layers=3, seq=32, batch=4),
+}
 
 CASES: dict[str, Callable[[], Case]] = {
     "llama3": llama3,

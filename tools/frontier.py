@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tapesac.errors import TapeSACError  # noqa: E402
 from tapesac.planner.graph import BlockGraph  # noqa: E402
 from tapesac.planner.milp import frontier  # noqa: E402
+from tapesac.plot import plot_frontier  # noqa: E402
 
 
 def _num(x: float) -> float | int:
@@ -57,33 +58,6 @@ def print_table(result: dict) -> None:
         print(f"{p['memory']:>14}  {p['recompute_time']:>16}  {kept}")
 
 
-def plot(result: dict, path: str, title: str = "TapeSAC frontier") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = result["frontier"]
-    xs = [p["memory"] for p in pts]
-    ys = [p["recompute_time"] for p in pts]
-    # With at least a point's memory, its time is reachable: a staircase, not a line.
-    ax.step(xs, ys, where="post", color="tab:blue")
-    ax.plot(xs, ys, "o", color="tab:blue", label="TapeSAC frontier")
-    for b in result.get("baselines", []):
-        ax.plot([b["memory"]], [b["recompute_time"]], "s", label=b["policy"])
-        ax.annotate(b["policy"], (b["memory"], b["recompute_time"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set_xlabel(result.get("memory_label", "memory (bytes kept)"))
-    ax.set_ylabel(result.get("time_label", "recompute time"))
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -107,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_table(result)
     if a.plot:
-        plot(result, a.plot, title=result.get("title", "TapeSAC frontier"))
+        plot_frontier(result, a.plot)
     return 0
 
 

@@ -1,0 +1,121 @@
+"""From measured block graphs and a step-peak model to a policy, under one memory limit.
+
+Identical blocks (same tape signature) are planned once: their frontier is computed once and
+shared. The allocation then gives each block a point of its kind's frontier so that every window
+of the step fits the limit, minimising the total replay time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..memory import StepMemory
+from ..policy import BlockPolicy, Policy
+from .allocate import Allocation, Deltas, allocate, formula_deltas, global_frontier, largest_useful_peak, smallest_peak
+from .graph import BlockGraph
+from .milp import Point, frontier
+from .simulate import simulate_replay
+
+log = logging.getLogger("tapesac")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A policy and everything it was derived from (all plain data)."""
+
+    policy: Policy
+    allocation: Allocation
+    frontier: list[dict[str, float]]
+    """Step-level Pareto frontier: ``{"predicted_peak_bytes", "recompute_s"}``, memory ascending."""
+    block_frontiers: dict[str, list[Point]]
+    """Per tape signature, the block frontier the allocation chose from."""
+    smallest_peak_bytes: float
+    largest_useful_peak_bytes: float
+    solve_s: float
+
+    def frontier_json(self, title: str = "TapeSAC step frontier") -> dict[str, Any]:
+        """The frontier in the form ``tools/frontier.py --saved`` reads and plots."""
+        return {
+            "title": title,
+            "memory_label": "predicted step peak (bytes)",
+            "time_label": "predicted recompute time per step (s)",
+            "limit_bytes": self.policy.limit_bytes,
+            "chosen": {"memory": self.allocation.predicted_peak_bytes, "recompute_time": self.allocation.recompute_s},
+            "frontier": [{"kept": [], "memory": p["predicted_peak_bytes"], "recompute_time": p["recompute_s"]}
+                         for p in self.frontier],
+        }
+
+
+def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: float, *,
+              points_per_block: int = 16, frontier_points: int = 24, solver_time_limit_s: float = 0.5,
+              meta: dict[str, Any] | None = None) -> Plan:
+    """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``."""
+    t0 = time.perf_counter()
+    kinds: dict[str, list[int]] = {}
+    for b, g in graphs.items():
+        kinds.setdefault(g.signature or f"block{b}", []).append(b)
+    block_frontiers: dict[str, list[Point]] = {}
+    for sig, blocks in kinds.items():
+        block_frontiers[sig] = frontier(graphs[blocks[0]], max_points=points_per_block,
+                                        time_limit_s=max(solver_time_limit_s, 1.0))
+    frontiers = {b: block_frontiers[sig] for sig, blocks in kinds.items() for b in blocks}
+    deltas = replay_deltas(graphs, kinds, block_frontiers, memory)
+    alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas)
+    sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas)
+    policy_blocks = {}
+    for b, p in alloc.points.items():
+        g = graphs[b]
+        positions = g.positions or [(v, 0) for v in range(g.num_values)]
+        policy_blocks[b] = BlockPolicy(g.signature, [tuple(positions[v]) for v in p.kept],
+                                       int(p.memory), p.time)
+    policy = Policy(policy_blocks, limit_bytes=int(limit_bytes),
+                    predicted_peak_bytes=int(alloc.predicted_peak_bytes),
+                    predicted_recompute_s=alloc.recompute_s,
+                    meta={"status": alloc.status, "kinds": len(kinds), **(meta or {})})
+    plan = Plan(
+        policy=policy, allocation=alloc,
+        frontier=[{"predicted_peak_bytes": a.predicted_peak_bytes, "recompute_s": a.recompute_s} for a in sweep],
+        block_frontiers=block_frontiers, smallest_peak_bytes=smallest_peak(memory, frontiers, deltas),
+        largest_useful_peak_bytes=largest_useful_peak(memory, frontiers, deltas),
+        solve_s=time.perf_counter() - t0,
+    )
+    return plan
+
+
+def replay_deltas(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
+                  block_frontiers: dict[str, list[Point]], memory: StepMemory) -> Deltas:
+    """How each frontier point changes its block's own peak in that block's backward window.
+
+    Per unpack interval k the measured replay-only peak M[k] splits into what replay held (the
+    simulated replay-only bytes) and the rest; the point's simulated bytes replace the former:
+    D = max_k max(M[k] - peak_ro[k] + peak_p[k], M[k] - after_ro[k] + after_p[k]) - window peak.
+    Exact for replay-only, conservative otherwise. Without a matching trace, kept bytes plus the
+    formula's transient change are used instead.
+    """
+    windows = {w.replay_block: w for w in memory.windows if w.replay_block is not None}
+    fallback = formula_deltas({b: block_frontiers[sig] for sig, bs in kinds.items() for b in bs})
+    deltas: Deltas = {}
+    for sig, blocks in kinds.items():
+        g = graphs[blocks[0]]
+        order = g.unpack_order
+        points = block_frontiers[sig]
+        sims = [simulate_replay(g, p.kept, order) for p in points] if order else None
+        for b in blocks:
+            w = windows.get(b)
+            if sims is None or w is None or w.intervals is None or len(w.intervals) != len(order):
+                deltas[b] = fallback[b]
+                continue
+            m = np.asarray(w.intervals)
+            ro_peak, ro_after = sims[0]
+            deltas[b] = [float(max((m - ro_peak + pk).max(), (m - ro_after + af).max()) - w.peak_bytes)
+                         for pk, af in sims]
+    return deltas
+
+
+__all__ = ["BlockGraph", "Plan", "PlanError", "make_plan", "frontier", "allocate"]

@@ -1,12 +1,14 @@
 """Share one step-peak limit among blocks: pick one frontier point per block (a HiGHS MILP).
 
-Each block b chooses a point p of its kind's frontier (kept bytes K, transient T, replay time R).
-For every window w of the step-peak model:
+Each block b chooses a point p of its kind's frontier (kept bytes K, replay time R). For every
+window w of the step-peak model:
 
-    peak_w + sum_{b alive in w} K[b, p_b] + (T[r_w, p] - T[r_w, replay-only]) <= limit
+    peak_w + sum_{b alive in w, b != r_w} K[b, p_b] + D[r_w, p_{r_w}] <= limit
 
-where r_w is the block replaying in w. The objective is the total replay time. Identical blocks
-share one frontier; their choices may still differ (deeper blocks live shorter).
+where r_w is the block replaying in w and D[b, p] how much point p changes that block's own
+peak in its backward window (kept values included; from ``replay_deltas``). The objective is
+the total replay time. Identical blocks share one frontier; their choices may still differ
+(deeper blocks live shorter).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import numpy as np
 
 from ..errors import PlanError
-from ..memory import StepMemory
+from ..memory import StepMemory, fmt_bytes
 from .milp import Point, _highs
 
 log = logging.getLogger("tapesac")
@@ -34,43 +36,51 @@ class Allocation:
     """"optimal", "time limit (best found)" or "replay-only fallback (...)"."""
 
 
-def _coefficients(memory: StepMemory, frontiers: dict[int, list[Point]]):
-    ro_transient = {b: pts[0].transient for b, pts in frontiers.items()}  # pts[0]: least memory
+Deltas = dict[int, list[float]]
+
+
+def formula_deltas(frontiers: dict[int, list[Point]]) -> Deltas:
+    """D[b, p] without a time-resolved trace: kept bytes plus the change in rebuilt read bytes,
+    assuming everything replay holds is alive at the window's peak."""
+    return {b: [p.memory + p.transient - pts[0].transient for p in pts] for b, pts in frontiers.items()}
+
+
+def _coefficients(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas):
     cols: list[tuple[int, int]] = [(b, i) for b, pts in sorted(frontiers.items()) for i in range(len(pts))]
     col_of = {c: j for j, c in enumerate(cols)}
     rows = []
     for w in memory.windows:
         coef: dict[int, float] = {}
-        for b in w.alive:
-            if b in frontiers:
-                for i, p in enumerate(frontiers[b]):
-                    coef[col_of[(b, i)]] = coef.get(col_of[(b, i)], 0.0) + p.memory
         rb = w.replay_block
+        for b in w.alive:
+            if b in frontiers and b != rb:
+                for i, p in enumerate(frontiers[b]):
+                    coef[col_of[(b, i)]] = p.memory
         if rb is not None and rb in frontiers:
-            for i, p in enumerate(frontiers[rb]):
-                j = col_of[(rb, i)]
-                coef[j] = coef.get(j, 0.0) + p.transient - ro_transient[rb]
+            for i in range(len(frontiers[rb])):
+                coef[col_of[(rb, i)]] = deltas[rb][i]
         rows.append((w.peak_bytes, coef))
     return cols, rows
 
 
-def predicted_peak(memory: StepMemory, choice: dict[int, Point], frontiers: dict[int, list[Point]]) -> float:
-    kept = {b: p.memory for b, p in choice.items()}
-    delta = {b: p.transient - frontiers[b][0].transient for b, p in choice.items()}
-    return memory.predict(kept, delta)
+def predicted_peak(memory: StepMemory, choice: dict[int, int], frontiers: dict[int, list[Point]],
+                   deltas: Deltas) -> float:
+    """Predicted step peak when block b takes point ``choice[b]`` of its frontier."""
+    kept = {b: frontiers[b][i].memory for b, i in choice.items()}
+    return memory.predict(kept, {b: deltas[b][i] for b, i in choice.items()})
 
 
-def smallest_peak(memory: StepMemory, frontiers: dict[int, list[Point]]) -> float:
+def smallest_peak(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas) -> float:
     """The step peak when every block keeps nothing beyond what it must."""
-    return predicted_peak(memory, {b: pts[0] for b, pts in frontiers.items()}, frontiers)
+    return predicted_peak(memory, {b: 0 for b in frontiers}, frontiers, deltas)
 
 
-def largest_useful_peak(memory: StepMemory, frontiers: dict[int, list[Point]]) -> float:
+def largest_useful_peak(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas) -> float:
     """The step peak when every block keeps what makes its replay fastest."""
-    return predicted_peak(memory, {b: pts[-1] for b, pts in frontiers.items()}, frontiers)
+    return predicted_peak(memory, {b: len(pts) - 1 for b, pts in frontiers.items()}, frontiers, deltas)
 
 
-def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
+def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float, deltas: Deltas,
            start: dict[int, int] | None = None) -> dict[int, int]:
     """Upgrade blocks one frontier step at a time, best time saved per kept byte first, while
     every window fits. Returns the chosen point index per block (a feasible start for the MILP).
@@ -78,31 +88,28 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
     import heapq
 
     windows = memory.windows
-    ro_t = {b: pts[0].transient for b, pts in frontiers.items()}
     choice = dict(start) if start else {b: 0 for b in frontiers}
     load = [w.peak_bytes for w in windows]
-    for wi, w in enumerate(windows):
-        for b in w.alive:
-            if b in choice:
-                load[wi] += frontiers[b][choice[b]].memory
-        if w.replay_block in choice:
-            load[wi] += frontiers[w.replay_block][choice[w.replay_block]].transient - ro_t[w.replay_block]
     alive_in: dict[int, list[int]] = {b: [] for b in frontiers}
     replay_in: dict[int, list[int]] = {b: [] for b in frontiers}
     for wi, w in enumerate(windows):
         for b in w.alive:
-            if b in alive_in:
+            if b in alive_in and b != w.replay_block:
                 alive_in[b].append(wi)
         if w.replay_block in replay_in:
             replay_in[w.replay_block].append(wi)
+    for b, i in choice.items():
+        for wi in alive_in[b]:
+            load[wi] += frontiers[b][i].memory
+        for wi in replay_in[b]:
+            load[wi] += deltas[b][i]
 
-    def deltas(b: int, i: int, j: int) -> tuple[float, float]:
-        p, q = frontiers[b][i], frontiers[b][j]
-        return q.memory - p.memory, (q.transient - ro_t[b]) - (p.transient - ro_t[b])
+    def step(b: int, i: int, j: int) -> tuple[float, float]:
+        return frontiers[b][j].memory - frontiers[b][i].memory, deltas[b][j] - deltas[b][i]
 
-    def fits(b: int, dk: float, dt: float) -> bool:
-        return all(load[wi] + dk <= limit_bytes for wi in alive_in[b] if wi not in replay_in[b]) and all(
-            load[wi] + dk * (b in windows[wi].alive) + dt <= limit_bytes for wi in replay_in[b])
+    def fits(b: int, dk: float, dd: float) -> bool:
+        return all(load[wi] + dk <= limit_bytes for wi in alive_in[b]) and all(
+            load[wi] + dd <= limit_bytes for wi in replay_in[b])
 
     def best_next(b: int):
         i = choice[b]
@@ -112,8 +119,8 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
             saved = pts[i].time - pts[j].time
             if saved <= 0:
                 continue
-            dk, dt = deltas(b, i, j)
-            if not fits(b, dk, dt):
+            dk, dd = step(b, i, j)
+            if not fits(b, dk, dd):
                 continue
             rate = saved / max(dk, 1.0)
             if best is None or rate > best[0]:
@@ -129,8 +136,8 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
         _r, b, i, j = heapq.heappop(heap)
         if choice[b] != i:
             continue
-        dk, dt = deltas(b, i, j)
-        if not fits(b, dk, dt):  # other upgrades used the room: look again
+        dk, dd = step(b, i, j)
+        if not fits(b, dk, dd):  # other upgrades used the room: look again
             nxt = best_next(b)
             if nxt is not None:
                 heapq.heappush(heap, (-nxt[0], b, i, nxt[1]))
@@ -138,7 +145,7 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
         for wi in alive_in[b]:
             load[wi] += dk
         for wi in replay_in[b]:
-            load[wi] += dt
+            load[wi] += dd
         choice[b] = j
         nxt = best_next(b)
         if nxt is not None:
@@ -147,7 +154,7 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
 
 
 def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
-             time_limit_s: float = 0.5) -> Allocation:
+             time_limit_s: float = 0.5, deltas: Deltas | None = None) -> Allocation:
     """The fastest choice of frontier points whose predicted step peak fits ``limit_bytes``.
 
     A greedy pass (best time saved per kept byte first) gives a feasible plan at once; the MILP
@@ -157,38 +164,39 @@ def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes:
     for b, pts in frontiers.items():
         if not pts or any(q.memory < p.memory for p, q in zip(pts, pts[1:])):
             raise PlanError(f"block {b}: frontier must be non-empty and sorted by memory")
-    floor = smallest_peak(memory, frontiers)
+    deltas = deltas if deltas is not None else formula_deltas(frontiers)
+    floor = smallest_peak(memory, frontiers, deltas)
     if floor > limit_bytes:
         raise PlanError(
-            f"memory limit {limit_bytes / 2**30:.3f} GiB is infeasible: even recomputing everything, "
-            f"the predicted step peak is {floor / 2**30:.3f} GiB ({floor:.0f} bytes). Raise the "
-            "limit (budget) to at least that, or reduce batch size or sequence length"
+            f"memory limit {fmt_bytes(limit_bytes)} ({limit_bytes:.0f} bytes) is infeasible: even "
+            f"recomputing everything, the predicted step peak is {fmt_bytes(floor)} ({floor:.0f} "
+            "bytes), the smallest achievable. Raise the limit (budget) to at least that, or reduce "
+            "batch size or sequence length"
         )
-    start = greedy(memory, frontiers, limit_bytes)
-    choice = {b: frontiers[b][i] for b, i in start.items()}
+    choice = greedy(memory, frontiers, limit_bytes, deltas)
     label = "greedy"
     if time_limit_s > 0:
-        better = _polish(memory, frontiers, limit_bytes, start, time_limit_s)
+        better = _polish(memory, frontiers, limit_bytes, choice, time_limit_s, deltas)
         if better is not None:
             choice, label = better
-    peak = predicted_peak(memory, choice, frontiers)
+    peak = predicted_peak(memory, choice, frontiers, deltas)
     if peak > limit_bytes * (1 + 1e-6):  # cannot happen beyond solver tolerance; never risk it
         log.warning("TapeSAC planner: solution exceeds the limit by %.0f bytes; falling back to "
                     "replay-only", peak - limit_bytes)
-        choice = {b: pts[0] for b, pts in frontiers.items()}
-        return Allocation(choice, floor, sum(p.time for p in choice.values()),
-                          "replay-only fallback (solution over the limit)")
-    return Allocation(choice, peak, sum(p.time for p in choice.values()), label)
+        choice = {b: 0 for b in frontiers}
+        peak, label = floor, "replay-only fallback (solution over the limit)"
+    points = {b: frontiers[b][i] for b, i in choice.items()}
+    return Allocation(points, peak, sum(p.time for p in points.values()), label)
 
 
 def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
-            start: dict[int, int], time_limit_s: float) -> tuple[dict[int, Point], str] | None:
+            start: dict[int, int], time_limit_s: float, deltas: Deltas) -> tuple[dict[int, int], str] | None:
     """The allocation MILP, started from the greedy choice, within ``time_limit_s``.
 
     Returns a strictly better choice and its status, or None (keep the greedy one)."""
     import highspy
 
-    cols, rows = _coefficients(memory, frontiers)
+    cols, rows = _coefficients(memory, frontiers, deltas)
     n = len(cols)
     scale = max(limit_bytes, 1.0)
     t_scale = max([p.time for pts in frontiers.values() for p in pts] + [1e-30])
@@ -247,27 +255,28 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
     choice = {}
     for b in sorted(frontiers):
         best = max((j for j, (bb, _i) in enumerate(cols) if bb == b), key=lambda j: x[j])
-        choice[b] = frontiers[b][cols[best][1]]
+        choice[b] = cols[best][1]
     label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "solver time limit (best found)"
     return choice, label
 
 
 def global_frontier(memory: StepMemory, frontiers: dict[int, list[Point]], points: int = 24,
-                    time_limit_s: float = 0.0) -> list[Allocation]:
+                    time_limit_s: float = 0.0, deltas: Deltas | None = None) -> list[Allocation]:
     """Step-level frontier: allocations for limits spanning replay-only to keep-what-pays."""
-    lo = smallest_peak(memory, frontiers)
-    hi = largest_useful_peak(memory, frontiers)
+    deltas = deltas if deltas is not None else formula_deltas(frontiers)
+    lo = smallest_peak(memory, frontiers, deltas)
+    hi = max(largest_useful_peak(memory, frontiers, deltas), lo)
     limits = [lo + (hi - lo) * i / max(points - 1, 1) for i in range(points)] if hi > lo else [lo]
     result: list[Allocation] = []
     warm: dict[int, int] | None = None
     for limit in limits:
         if time_limit_s > 0:
-            a = allocate(memory, frontiers, limit, time_limit_s)
+            a = allocate(memory, frontiers, limit, time_limit_s, deltas)
         else:  # greedy, each limit continuing from the last one's plan
-            warm = greedy(memory, frontiers, limit, warm)
-            choice = {b: frontiers[b][i] for b, i in warm.items()}
-            a = Allocation(choice, predicted_peak(memory, choice, frontiers),
-                           sum(p.time for p in choice.values()), "greedy")
+            warm = greedy(memory, frontiers, limit, deltas, warm)
+            chosen = {b: frontiers[b][i] for b, i in warm.items()}
+            a = Allocation(chosen, predicted_peak(memory, warm, frontiers, deltas),
+                           sum(p.time for p in chosen.values()), "greedy")
         if not result or a.recompute_s < result[-1].recompute_s - 1e-15:
             if result and math.isclose(a.predicted_peak_bytes, result[-1].predicted_peak_bytes):
                 result[-1] = a

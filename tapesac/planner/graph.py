@@ -31,6 +31,10 @@ class BlockGraph:
     """Bytes of each storage."""
     read: list[int]
     """Values backward reads."""
+    read_counts: list[int] | None = None
+    """How many times autograd saved each read value (None: once each)."""
+    unpack_order: list[int] | None = None
+    """Values in the order a profiled backward unpacked them (for the time-resolved memory model)."""
     keepable: list[bool] | None = None
     """Whether each value may be kept (False: an in-place write clobbers it later). None: all."""
     names: list[str] | None = None

@@ -1,0 +1,78 @@
+"""Bytes replay holds over a block's backward, for any keep set, without running anything.
+
+The same lazy bookkeeping as :class:`tapesac.replay.Replayer`, on a :class:`BlockGraph`: for each
+unpack (in the order a profiled backward asked for them) the chain of missing values is rebuilt,
+outputs are cached while something still needs them, and values are dropped at their last use.
+Kept values sit in the cache from the start and leave at their last use too. Storages count once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .graph import BlockGraph
+
+
+def simulate_replay(g: BlockGraph, kept: Iterable[int], order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For each unpack k of ``order``: (peak bytes held while serving it, bytes held after it).
+
+    Held bytes are the block's own: kept values and rebuilt ones, not always-available values.
+    """
+    kept = set(kept)
+    value_op, deps, storage, nbytes = g.value_op, g.op_deps, g.value_storage, g.storage_bytes
+    outs = g.op_outputs()
+    closure = g.closure(kept)
+    counts = g.read_counts or [1] * len(g.read)
+    rc: Counter[int] = Counter()
+    for v, c in zip(g.read, counts):
+        rc[v] += c
+    for o in closure:
+        for d in deps[o]:
+            rc[d] += 1
+    cache = {v for v in kept if rc[v] > 0}
+
+    def held(extra: set[int] = frozenset()) -> float:
+        return sum(nbytes[s] for s in {storage[v] for v in cache | extra})
+
+    peaks, afters = np.zeros(len(order)), np.zeros(len(order))
+    for k, u in enumerate(order):
+        peak = held()
+        if u not in cache and value_op[u] >= 0:
+            to_run: set[int] = set()
+            seen: set[int] = set()
+            stack = [u]
+            while stack:
+                x = stack.pop()
+                if x in seen or x in cache or value_op[x] < 0:
+                    continue
+                seen.add(x)
+                if value_op[x] not in to_run:
+                    to_run.add(value_op[x])
+                    stack.extend(deps[value_op[x]])
+            run = sorted(to_run)
+            pending: Counter[int] = Counter(d for o in run for d in deps[o])
+            local: set[int] = set()
+            for o in run:
+                for d in deps[o]:
+                    pending[d] -= 1
+                for v in outs[o]:
+                    if pending[v] > 0 or v == u:
+                        local.add(v)
+                    if rc[v] > 0:
+                        cache.add(v)
+                for d in deps[o]:
+                    rc[d] -= 1
+                    if rc[d] <= 0:
+                        cache.discard(d)
+                    if pending[d] <= 0 and d != u:
+                        local.discard(d)
+                peak = max(peak, held(local))
+        rc[u] -= 1
+        if rc[u] <= 0:
+            cache.discard(u)
+        after = held()
+        peaks[k], afters[k] = max(peak, after), after
+    return peaks, afters
