@@ -46,9 +46,10 @@ class PlanConfig:
     """Runs per op when timing (median)."""
     timing_reduction: str = "max"
     """How per-op times are combined across ranks: max, mean or median."""
-    solver_time_limit_s: float = 0.5
-    """Time limit of the allocation MILP (a greedy plan is always available)."""
-    points_per_block: int = 16
+    solver_time_limit_s: float = 0.15
+    """Time limit of the allocation MILP that polishes the greedy plan (0: greedy only)."""
+    points_per_block: int = 12
+    """Points of each kind's frontier the allocation chooses from."""
     frontier_points: int = 24
     verify: bool = True
     """Measure the first planned step and re-plan tighter if it exceeds the limit."""
@@ -57,6 +58,8 @@ class PlanConfig:
     """Load the policy from here when it matches (skips profiling); save it here after planning."""
     frontier_path: str | None = None
     """Write the step frontier here as JSON (and as PNG next to it when matplotlib is present)."""
+    graph_dir: str | None = None
+    """Write each kind of block's measured graph here (``tools/frontier.py --graph`` reads them)."""
     device: torch.device | None = None
     """Device whose memory is measured (default: that of the first block's parameters)."""
     track: Any = None
@@ -245,6 +248,14 @@ class AutoPlanner:
     def _save(self, plan: Plan) -> None:
         if self.config.policy_path:
             plan.policy.save(self.config.policy_path)
+        if self.config.graph_dir:
+            folder = Path(self.config.graph_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            written: set[str] = set()
+            for b, g in sorted(self._graphs.items()):
+                if g.signature not in written:
+                    written.add(g.signature)
+                    (folder / f"block{b}_{g.signature}.json").write_text(json.dumps(g.to_json()))
         if self.config.frontier_path:
             path = Path(self.config.frontier_path)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,3 +126,23 @@ def test_simulated_replay_only_memory_matches_the_engine():
     _peak, after = simulate_replay(g, (), order)
     # cache bytes seen at the start of unpack k+1 are those held after unpack k
     assert seen[1:] == [float(a) for a in after[:-1]]
+
+
+def test_frontier_tool_reads_a_measured_block_graph(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lo, hi = _span("llama3")
+    _train("llama3", (lo + hi) / 2, graph_dir=str(tmp_path))
+    graphs = sorted(tmp_path.glob("block*.json"))
+    assert len(graphs) == 1  # identical blocks: one kind
+    tool = Path(__file__).resolve().parents[1] / "tools" / "frontier.py"
+    out = subprocess.run([sys.executable, str(tool), "--graph", str(graphs[0]), "--json", "--max-points", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert 2 <= len(result["frontier"]) <= 8
+    assert result["frontier"][0]["memory"] == 0
+    assert result["replay_only_time"] == result["frontier"][0]["recompute_time"] > 0
+    assert result["block_replay_time"] >= result["replay_only_time"]

@@ -53,7 +53,7 @@ class Plan:
 
 
 def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: float, *,
-              points_per_block: int = 16, frontier_points: int = 24, solver_time_limit_s: float = 0.5,
+              points_per_block: int = 12, frontier_points: int = 24, solver_time_limit_s: float = 0.15,
               meta: dict[str, Any] | None = None) -> Plan:
     """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``."""
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
     frontiers = {b: block_frontiers[sig] for sig, blocks in kinds.items() for b in blocks}
     deltas = replay_deltas(graphs, kinds, block_frontiers, memory)
     alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas)
-    sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas)
+    sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas) if frontier_points else []
     policy_blocks = {}
     for b, p in alloc.points.items():
         g = graphs[b]

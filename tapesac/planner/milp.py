@@ -18,6 +18,7 @@ cannot help. Solutions are re-evaluated exactly with :class:`BlockGraph`'s cost 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -25,8 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import PlanError
 from .graph import BlockGraph
+
+log = logging.getLogger("tapesac")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +182,8 @@ class BlockModel:
         self.h = _highs()
         self.h.passModel(lp)
         self._inf = inf
+        self.stopped_early = 0
+        """Solves that hit the time limit and returned their best feasible answer."""
 
     def set_time_limit(self, seconds: float) -> None:
         self.h.setOptionValue("time_limit", float(seconds))
@@ -191,11 +195,15 @@ class BlockModel:
         h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
         h.run()
         status = h.getModelStatus()
-        if status == highspy.HighsModelStatus.kInfeasible:
-            return None
-        if status != highspy.HighsModelStatus.kOptimal:
-            raise PlanError(f"HiGHS stopped with status {h.modelStatusToString(status)}")
-        return np.asarray(h.getSolution().col_value)
+        if status == highspy.HighsModelStatus.kOptimal:
+            return np.asarray(h.getSolution().col_value)
+        if status != highspy.HighsModelStatus.kInfeasible:
+            if h.getInfo().primal_solution_status == 2:  # time limit with a feasible answer: use it
+                self.stopped_early += 1
+                return np.asarray(h.getSolution().col_value)
+            log.warning("TapeSAC planner: block MILP stopped without a solution (%s); skipping a "
+                        "frontier point", h.modelStatusToString(status))
+        return None
 
     def solve(self, max_memory: float = math.inf, transient_weight: float = 0.0,
               exact_ties: bool = True) -> Point | None:
@@ -250,8 +258,12 @@ def pareto(points: Sequence[Point]) -> list[Point]:
     return best
 
 
+def _workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def frontier(g: BlockGraph, max_points: int | None = None, time_limit_s: float | None = None,
-             transient_weight: float = 0.0) -> list[Point]:
+             transient_weight: float = 0.0, workers: int | None = None) -> list[Point]:
     """The block's memory/time Pareto frontier, memory ascending.
 
     ``max_points=None`` walks every Pareto point (epsilon-constraint on memory, each step strictly
@@ -263,7 +275,10 @@ def frontier(g: BlockGraph, max_points: int | None = None, time_limit_s: float |
         model.set_time_limit(time_limit_s)
     exact = max_points is None or len(model.cand) <= 64
     top = model.solve(math.inf, transient_weight, exact)
-    points = [top]
+    if top is None:  # the solver gave up: this block stays replay-only (always valid)
+        log.warning("TapeSAC planner: no keep set found for a block; it will replay everything")
+        return [evaluate(g, ())]
+    points = [top, evaluate(g, ())]
     integral = all(float(b).is_integer() for b in g.storage_bytes)
     if max_points is None:
         step = 1.0 if integral else max(1e-9 * sum(g.storage_bytes), 1e-12)
@@ -279,9 +294,22 @@ def frontier(g: BlockGraph, max_points: int | None = None, time_limit_s: float |
             points.append(p)
             kappa = p.memory - step
     else:
-        for i in range(max_points - 1):
-            kappa = top.memory * (max_points - 2 - i) / max(max_points - 1, 1)
-            p = model.solve(kappa, transient_weight, exact)
-            if p is not None:
-                points.append(p)
+        kappas = [top.memory * (max_points - 2 - i) / max(max_points - 1, 1) for i in range(max_points - 1)]
+        workers = min(workers or _workers(), len(kappas))
+        if workers <= 1:
+            found = [model.solve(k, transient_weight, exact) for k in kappas]
+        else:  # HiGHS releases the GIL: one model per thread, bounds dealt round-robin
+            from concurrent.futures import ThreadPoolExecutor
+
+            models = [model] + [BlockModel(g) for _ in range(workers - 1)]
+            for m in models[1:]:
+                if time_limit_s is not None:
+                    m.set_time_limit(time_limit_s)
+
+            def run(i: int) -> list[Point | None]:
+                return [models[i].solve(k, transient_weight, exact) for k in kappas[i::workers]]
+
+            with ThreadPoolExecutor(workers) as ex:
+                found = [p for chunk in ex.map(run, range(workers)) for p in chunk]
+        points += [p for p in found if p is not None]
     return pareto(points)
