@@ -60,11 +60,12 @@ class TapeSACHandle:
         """Keep the values a :class:`~tapesac.policy.Policy` names (None: replay-only)."""
         for s in self.blocks:
             if policy is None:
-                s.keep, s.expected_signature = None, None
+                s.keep, s.expected_signature, s.policy_predicted_peak = None, None, None
             else:
                 entry = policy.for_block(s.index)
                 s.keep = frozenset(entry.keep)
                 s.expected_signature = entry.signature
+                s.policy_predicted_peak = policy.predicted_peak_bytes
 
     def remove(self) -> None:
         """Put every block back exactly as it was. Idempotent."""

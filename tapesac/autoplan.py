@@ -66,6 +66,9 @@ class PlanConfig:
     """CPU only: what besides the blocks counts toward the peak (modules, tensors, optimizers, or
     a callable returning tensors). On CUDA the allocator's own statistics count everything."""
     process_group: Any = None
+    policy_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Facts stored in the saved policy and checked when loading it (world size, model): a
+    policy made under other facts is ignored with a warning, and the run re-plans."""
 
 
 def _tensors_of(things: Any) -> Iterable[torch.Tensor]:
@@ -78,15 +81,20 @@ def _tensors_of(things: Any) -> Iterable[torch.Tensor]:
     for t in things:
         if isinstance(t, nn.Module):
             for p in t.parameters():
-                yield p
+                yield _local(p)
                 if p.grad is not None:
-                    yield p.grad
-            yield from t.buffers()
+                    yield _local(p.grad)
+            yield from (_local(b) for b in t.buffers())
         elif isinstance(t, torch.optim.Optimizer):
             for state in t.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+                yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
         elif isinstance(t, torch.Tensor):
-            yield t
+            yield _local(t)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard a rank holds of a DTensor (FSDP2 parameters), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class AutoPlanner:
@@ -116,6 +124,7 @@ class AutoPlanner:
         if config.policy_path and Path(config.policy_path).exists():
             try:
                 policy = Policy.load(config.policy_path)
+                self._check_loaded(policy)
                 handle.set_policy(policy)
                 self.phase = "verify" if config.verify else "planned"
                 self.loaded_policy = True
@@ -123,6 +132,14 @@ class AutoPlanner:
                          config.policy_path)
             except PolicyError as e:
                 log.warning("TapeSAC: ignoring policy file %s (%s); profiling instead", config.policy_path, e)
+
+    def _check_loaded(self, policy: Policy) -> None:
+        if policy.limit_bytes != self.config.memory_limit_bytes:
+            raise PolicyError(f"it was planned for a limit of {fmt_bytes(policy.limit_bytes or 0)}, not "
+                              f"{fmt_bytes(self.config.memory_limit_bytes)}")
+        for key, value in self.config.policy_meta.items():
+            if policy.meta.get(key) != value:
+                raise PolicyError(f"it was planned for {key}={policy.meta.get(key)!r}, not {value!r}")
 
     # Hooks called by BlockState ------------------------------------------------------------------
 
@@ -223,8 +240,7 @@ class AutoPlanner:
                                  frontier_points=self.config.frontier_points,
                                  solver_time_limit_s=self.config.solver_time_limit_s,
                                  meta={"limit_requested_bytes": self.config.memory_limit_bytes,
-                                       "world_size": torch.distributed.get_world_size(group)
-                                       if tdist.active(group) else 1})
+                                       **self.config.policy_meta})
                 payload = ("plan", plan)
             except PlanError as e:
                 payload = ("error", str(e))
@@ -261,27 +277,20 @@ class AutoPlanner:
             path.parent.mkdir(parents=True, exist_ok=True)
             data = plan.frontier_json()
             path.write_text(json.dumps(data, indent=1))
-            try:
-                import importlib.util
-
-                if importlib.util.find_spec("matplotlib") is not None:
-                    from .plot import plot_frontier
-
-                    plot_frontier(data, path.with_suffix(".png"))
-            except Exception as e:  # a plot must never stop training
-                log.warning("TapeSAC: could not draw the frontier plot: %s", e)
+            _plot_in_thread(data, path.with_suffix(".png"))
 
     def _verify(self, memory: StepMemory) -> None:
         measured = memory.baseline_peak()
         group = self.config.process_group
         if tdist.active(group):
             measured = max(tdist.all_gather(measured, group))
-        predicted = self.plan.allocation.predicted_peak_bytes if self.plan else None
+        predicted = (self.plan.allocation.predicted_peak_bytes if self.plan else
+                     self.handle.blocks[0].policy_predicted_peak)
         limit = self.config.memory_limit_bytes
         self.history.append({"limit_bytes": limit, "planned_limit_bytes": self._limit,
                              "predicted_peak_bytes": predicted, "measured_peak_bytes": measured})
         log.info("TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
-                 fmt_bytes(predicted) if predicted is not None else "n/a (loaded policy)", fmt_bytes(limit))
+                 fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         self.phase = "planned"
         if measured <= limit:
             return
@@ -300,3 +309,29 @@ class AutoPlanner:
         log.warning("TapeSAC: measured peak over the limit by %s; re-planning for %s",
                     fmt_bytes(measured - limit), fmt_bytes(self._limit))
         self._replan(self._limit)
+
+
+def _plot_in_thread(data: dict, path: Path) -> None:
+    """Draw the frontier PNG on a short-lived thread.
+
+    Importing matplotlib inside a training step would pin that step's call stack, and with it
+    the model's activations, in tracebacks its import machinery keeps; on a thread of its own
+    only that thread's frames are involved. A plot must never stop training.
+    """
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+
+    def draw() -> None:
+        try:
+            from .plot import plot_frontier
+
+            plot_frontier(data, path)
+        except Exception as e:
+            log.warning("TapeSAC: could not draw the frontier plot: %s", e)
+
+    t = threading.Thread(target=draw, name="tapesac-plot")
+    t.start()
+    t.join()

@@ -39,6 +39,8 @@ class BlockState:
         """Positions ``(op index, slot)`` to keep; None keeps nothing the block produced."""
         self.expected_signature: str | None = None
         """Tape signature the keep set was made for; a different tape is an error."""
+        self.policy_predicted_peak: float | None = None
+        """The step peak the applied policy was predicted to reach."""
         self.timer = None
         """An OpTimer while profiling: the next forwards time every op."""
         self.controller = None

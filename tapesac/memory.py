@@ -19,12 +19,60 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .tape import flatten_outputs
 
 
+_active_counters: list["StorageCounter"] = []
+_original_resize = None
+_own_resize = False
+
+
+def _counting_resize(storage, size):
+    before = storage.nbytes()
+    out = _original_resize(storage, size)
+    for counter in _active_counters:
+        counter._resized(storage, before)
+    return out
+
+
 class StorageCounter(TorchDispatchMode):
     """Counts live bytes of tracked storages: current, peak, and the total ever allocated.
 
     Storages that existed before the mode was entered count only if passed to :meth:`track`
-    (parameters, gradients, optimizer state). ``mark()`` starts a new peak window.
+    (parameters, gradients, optimizer state). ``mark()`` starts a new peak window. In-place
+    storage resizes (FSDP2 frees and re-gathers unsharded parameters with
+    ``untyped_storage().resize_()``, which the dispatcher never sees) are counted too.
     """
+
+    def __enter__(self):
+        global _original_resize, _own_resize
+        if not _active_counters:
+            _own_resize = "resize_" in torch.UntypedStorage.__dict__
+            _original_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _counting_resize
+        _active_counters.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _active_counters.remove(self)
+            if not _active_counters:
+                if _own_resize:
+                    torch.UntypedStorage.resize_ = _original_resize
+                else:
+                    del torch.UntypedStorage.resize_
+
+    def _resized(self, st: torch.UntypedStorage, before: int) -> None:
+        key = id(st)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not st:
+            return
+        after = st.nbytes()
+        self._sizes[key] = after
+        self.live_bytes += after - before
+        if after > before:
+            self.allocated_bytes += after - before
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,38 @@
+"""TapeSAC for torchtitan 0.2.x: the ``tapesac`` model converter, the ``[tapesac]`` config
+section (``torchtitan_ext.config``), an offline dataset and tokenizer, and a CPU shim.
+
+Importing this package registers the converter and the ``tapesac_text`` dataset, and, on a
+machine without CUDA, points torchtitan at the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+TOKENIZER_PATH = str(ASSETS / "tokenizer")
+DATASET_PATH = str(ASSETS / "text" / "corpus.jsonl")
+
+
+def _register_dataset() -> None:
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    def load(path: str):
+        from datasets import load_dataset
+
+        return load_dataset("json", data_files=path, split="train")
+
+    DATASETS.setdefault("tapesac_text", DatasetConfig(
+        path=DATASET_PATH, loader=load, sample_processor=lambda sample: sample["text"]))
+
+
+def _setup() -> None:
+    from . import cpu_shim, converter
+
+    cpu_shim.install()
+    converter.register()
+    _register_dataset()
+
+
+_setup()

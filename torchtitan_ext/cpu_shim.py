@@ -1,14 +1,71 @@
 """What torchtitan 0.2.2 needs to train on a machine without an accelerator.
 
-Applied automatically by the integration when no CUDA device is present; importable on its
-own (tests use :func:`patch_ops` to run torchtitan's MoE on CPU).
+torchtitan picks ``cuda`` when no accelerator is present, reads memory statistics from
+``torch.cuda``, and FSDP2 reduces gradients with ``PREMUL_SUM`` which gloo lacks. :func:`install`
+(applied by ``import torchtitan_ext`` when no CUDA device exists) points torchtitan at a CPU
+"device module" with the few calls it makes, and :func:`force_sum_reduction` makes FSDP2 reduce
+with plain sums (torchtitan already disables FSDP's gradient division, so the result is equal).
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+
 import torch
 
-_patched = False
+_installed = False
+_patched_ops = False
+
+
+def cpu_capacity_bytes(local_ranks: int | None = None) -> int:
+    """Physical memory divided by the ranks on this node: the CPU "device capacity"."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return total // max(local, 1)
+
+
+class CpuDeviceModule:
+    """The part of ``torch.cuda``'s interface torchtitan uses, for the CPU.
+
+    Memory statistics are the process's peak resident set size (the only allocator-level number
+    the CPU offers); TapeSAC's own measurements count tensor storages instead.
+    """
+
+    def set_device(self, device) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_name(self, device=None) -> str:
+        return platform.processor() or platform.machine() or "cpu"
+
+    def get_device_properties(self, device=None):
+        return SimpleNamespace(total_memory=cpu_capacity_bytes(), name=self.get_device_name())
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak,
+                "num_alloc_retries": 0, "num_ooms": 0}
 
 
 def patch_ops() -> None:
@@ -18,8 +75,8 @@ def patch_ops() -> None:
     tokens per expert with ``histc`` on int64 expert indices. Integer inputs are counted in
     float32 (exact for counts below 2**24) and cast back, as the CUDA kernel returns them.
     """
-    global _patched
-    if _patched:
+    global _patched_ops
+    if _patched_ops:
         return
     original = torch.histc
 
@@ -32,4 +89,34 @@ def patch_ops() -> None:
 
     histc.__doc__ = original.__doc__
     torch.histc = histc
-    _patched = True
+    _patched_ops = True
+
+
+def install() -> None:
+    """Point torchtitan at the CPU. Safe to call more than once; no-op when CUDA is present."""
+    global _installed
+    if _installed or torch.cuda.is_available():
+        return
+    module = CpuDeviceModule()
+    # torchtitan binds these names at import; rebind them wherever they were imported.
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("torchtitan") or mod is None:
+            continue
+        if getattr(mod, "device_type", None) == "cuda":
+            mod.device_type = "cpu"
+        if getattr(mod, "device_module", None) is torch.cuda:
+            mod.device_module = module
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type, tt_utils.device_module = "cpu", module
+    patch_ops()
+    _installed = True
+
+
+def force_sum_reduction(model: torch.nn.Module) -> None:
+    """FSDP2 modules reduce gradients with SUM (gloo has no PREMUL_SUM or AVG)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)

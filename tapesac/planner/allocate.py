@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 
+import highspy
 import numpy as np
 
 from ..errors import PlanError
@@ -194,8 +195,6 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
     """The allocation MILP, started from the greedy choice, within ``time_limit_s``.
 
     Returns a strictly better choice and its status, or None (keep the greedy one)."""
-    import highspy
-
     cols, rows = _coefficients(memory, frontiers, deltas)
     n = len(cols)
     scale = max(limit_bytes, 1.0)

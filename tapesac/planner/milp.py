@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Sequence
 
+import highspy
 import numpy as np
 
 from .graph import BlockGraph
@@ -52,8 +53,6 @@ def _highs():
     """A quiet HiGHS instance. Its first construction prints a banner on the C-level stdout,
     which would corrupt ``--json`` output; it is sent to /dev/null instead."""
     global _banner_silenced
-    import highspy
-
     if _banner_silenced:
         h = highspy.Highs()
     else:
@@ -81,8 +80,6 @@ class BlockModel:
     """The MILP of one block, built once and re-solved for many memory bounds."""
 
     def __init__(self, g: BlockGraph) -> None:
-        import highspy
-
         self.g = g
         ops = sorted(g.closure(()))
         self.ops = ops
@@ -189,8 +186,6 @@ class BlockModel:
         self.h.setOptionValue("time_limit", float(seconds))
 
     def _run(self, cost: np.ndarray) -> np.ndarray | None:
-        import highspy
-
         h = self.h
         h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
         h.run()

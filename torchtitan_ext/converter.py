@@ -1,0 +1,203 @@
+"""The ``tapesac`` model converter: TapeSAC on every transformer block, under FSDP2.
+
+torchtitan runs converters on the meta model, before parallelisation. The converter checks the
+job there (clear errors before any work) and wraps each block of ``model.layers``: wrapping
+replaces the block's ``forward`` by an instance attribute and touches no parameter, so it
+survives ``fully_shard`` (which swaps the class and the parameters, not the instance dict). At
+run time the wrapped forward therefore runs nested inside FSDP2's pre/post-forward hooks, with
+the parameters unsharded, and replay happens inside each block's own backward after FSDP2 has
+gathered the parameters again; no module hook runs twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import tapesac
+from tapesac.autoplan import PlanConfig
+from tapesac.memory import fmt_bytes
+
+from . import cpu_shim
+
+try:
+    from torchtitan.tools.logging import logger
+except ImportError:  # pragma: no cover
+    import logging
+
+    logger = logging.getLogger("tapesac")
+
+
+class ConfigError(ValueError):
+    """A ``[tapesac]`` setting or a conflicting torchtitan setting; raised before training."""
+
+
+def validate(job_config: Any, parallel_dims: Any = None) -> Any:
+    """Check the ``[tapesac]`` section and its neighbours; return the section."""
+    cfg = getattr(job_config, "tapesac", None)
+    if cfg is None:
+        raise ConfigError(
+            "the 'tapesac' converter needs the [tapesac] config section: set "
+            "job.custom_config_module = \"torchtitan_ext.config\" in the TOML (or pass "
+            "--job.custom_config_module torchtitan_ext.config)"
+        )
+    if cfg.mode not in ("plan", "replay_only"):
+        raise ConfigError(f"tapesac.mode must be 'plan' or 'replay_only', got {cfg.mode!r}")
+    if not (isinstance(cfg.budget, (int, float)) and 0 < cfg.budget <= 1) or math.isnan(cfg.budget):
+        raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {cfg.budget!r}")
+    for name in ("limit_gib", "cpu_capacity_gib", "solver_time_limit_s"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"tapesac.{name} must be >= 0, got {getattr(cfg, name)!r}")
+    for name, low in (("warmup_steps", 0), ("profile_steps", 1), ("profile_repeats", 1)):
+        if int(getattr(cfg, name)) != getattr(cfg, name) or getattr(cfg, name) < low:
+            raise ConfigError(f"tapesac.{name} must be an integer >= {low}, got {getattr(cfg, name)!r}")
+    if cfg.timing_reduction not in ("max", "mean", "median"):
+        raise ConfigError(f"tapesac.timing_reduction must be max, mean or median, got {cfg.timing_reduction!r}")
+    ac = job_config.activation_checkpoint.mode
+    if ac != "none":
+        raise ConfigError(
+            f"activation_checkpoint.mode is '{ac}', but TapeSAC replaces activation checkpointing: set "
+            "activation_checkpoint.mode = \"none\" (CLI: --activation_checkpoint.mode none)"
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
+            "set compile.enable = false, or compile only the loss (compile.components = [\"loss\"])"
+        )
+    if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
+        raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
+                          "parallelism.pipeline_parallel_degree = 1")
+    return cfg
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def memory_limit_bytes(cfg: Any, device: torch.device) -> tuple[int, int]:
+    """(limit, capacity): ``limit_gib`` if set, else ``budget`` times the device capacity."""
+    if device.type == "cuda":
+        capacity = torch.cuda.mem_get_info(device)[1]
+    elif cfg.cpu_capacity_gib > 0:
+        capacity = int(cfg.cpu_capacity_gib * 2**30)
+    else:
+        capacity = cpu_shim.cpu_capacity_bytes()
+    limit = int(cfg.limit_gib * 2**30) if cfg.limit_gib > 0 else int(cfg.budget * capacity)
+    return limit, capacity
+
+
+def _artifact(path: str, dump_folder: str, default: str) -> str | None:
+    if path.lower() == "none":
+        return None
+    return path or str(Path(dump_folder) / "tapesac" / default)
+
+
+class TapeSACConverter:
+    """Registered as ``tapesac``: list it in ``model.converters``."""
+
+    def __init__(self, job_config: Any, parallel_dims: Any) -> None:
+        self.job_config = job_config
+        self.parallel_dims = parallel_dims
+        self.cfg = validate(job_config, parallel_dims)
+        self.handle: tapesac.TapeSACHandle | None = None
+        self.limit_bytes: int | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._report_metrics()
+
+    # ModelConverter protocol ----------------------------------------------------------------
+
+    def convert(self, model: nn.Module) -> None:
+        """Wrap every transformer block (on the meta model; FSDP2 shards around the wrappers)."""
+        if not hasattr(model, "layers"):
+            raise ConfigError(f"TapeSAC wraps model.layers, and {type(model).__name__} has none")
+        blocks = [b for b in model.layers.values() if b is not None]
+        device = _device()
+        if device.type == "cpu":  # once sharded: gloo has no PREMUL_SUM for FSDP2's reduce-scatter
+            def force_sum_once(module: nn.Module, _args: Any) -> None:
+                cpu_shim.force_sum_reduction(module)
+                handle.remove()
+
+            handle = model.register_forward_pre_hook(force_sum_once)
+        cfg = self.cfg
+        if cfg.mode == "replay_only":
+            self.handle = tapesac.wrap(blocks, debug=cfg.debug)
+            logger.info(f"TapeSAC: replay-only on {len(blocks)} blocks")
+            return
+        limit, capacity = memory_limit_bytes(cfg, device)
+        self.limit_bytes = limit
+        dump = self.job_config.job.dump_folder
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        register_optimizer_step_post_hook(self._note_optimizer)
+        plan = PlanConfig(
+            memory_limit_bytes=limit,
+            warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
+            repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
+            solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
+            policy_path=_artifact(cfg.policy_file, dump, "policy.json"),
+            frontier_path=_artifact(cfg.frontier_file, dump, "frontier.json"),
+            device=device, track=lambda: [model, *self.optimizers],
+            policy_meta={"world_size": world, "model": f"{self.job_config.model.name}/"
+                         f"{self.job_config.model.flavor}"},
+        )
+        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
+        how = "limit_gib" if cfg.limit_gib > 0 else f"budget {cfg.budget} of {fmt_bytes(capacity)}"
+        logger.info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
+                    f"({how}), profiling after {cfg.warmup_steps} warm-up step(s)")
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        pass
+
+    def _report_metrics(self) -> None:
+        """Add TapeSAC's numbers to torchtitan's metrics (console, TensorBoard, W&B)."""
+        import torchtitan.train as train
+
+        build = getattr(train.build_metrics_processor, "__tapesac_original__", train.build_metrics_processor)
+
+        @functools.wraps(build)
+        def build_with_tapesac_metrics(*args: Any, **kwargs: Any):
+            processor = build(*args, **kwargs)
+            log = processor.log
+
+            def log_with_tapesac(step, *a, extra_metrics=None, **k):
+                extra = dict(extra_metrics or {})
+                extra.update(self.metrics())
+                return log(step, *a, extra_metrics=extra, **k)
+
+            processor.log = log_with_tapesac
+            return processor
+
+        build_with_tapesac_metrics.__tapesac_original__ = build  # type: ignore[attr-defined]
+        train.build_metrics_processor = build_with_tapesac_metrics
+
+    def _note_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if all(o is not optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+    def metrics(self) -> dict[str, float]:
+        """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B, console)."""
+        out: dict[str, float] = {}
+        if self.limit_bytes:
+            out["tapesac/limit_gib"] = self.limit_bytes / 2**30
+        planner = self.handle.planner if self.handle is not None else None
+        if planner is not None and planner.plan is not None:
+            a = planner.plan.allocation
+            out["tapesac/predicted_peak_gib"] = a.predicted_peak_bytes / 2**30
+            out["tapesac/recompute_ms"] = a.recompute_s * 1e3
+        if planner is not None and planner.history:
+            out["tapesac/measured_peak_gib"] = planner.history[-1]["measured_peak_bytes"] / 2**30
+        return out
+
+
+def register() -> None:
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
+
+    if "tapesac" not in _registry_model_converter_cls:
+        register_model_converter(TapeSACConverter, "tapesac")
