@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the main job: targeted replay against full activation
-# checkpointing on torchtitan llama3 blocks, side by side (a quick CPU run).
+# Set up (idempotent) and run the main job: the torchtitan llama3 debug model on two CPU ranks
+# (FSDP2 over gloo) with TapeSAC planned mode. Extra arguments go to torchtitan, e.g.
+#   bash scripts/run.sh --tapesac.limit_gib 0.09 --training.steps 20
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" tools/bench_replay.py --quick "$@"
+exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  -m torchtitan.train --job.config_file train_configs/llama3_debug_cpu.toml "$@"

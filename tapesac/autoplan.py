@@ -27,7 +27,7 @@ from .errors import PlanError, PolicyError
 from .memory import MemoryTrace, StepMemory, fmt_bytes, meter_for
 from .planner import Plan, make_plan
 from .policy import Policy
-from .profile import OpTimer, block_graph, merge_times
+from .profile import OpTimer, block_graph, merge_profiles
 
 log = logging.getLogger("tapesac")
 
@@ -134,8 +134,9 @@ class AutoPlanner:
                 log.warning("TapeSAC: ignoring policy file %s (%s); profiling instead", config.policy_path, e)
 
     def _check_loaded(self, policy: Policy) -> None:
-        if policy.limit_bytes != self.config.memory_limit_bytes:
-            raise PolicyError(f"it was planned for a limit of {fmt_bytes(policy.limit_bytes or 0)}, not "
+        requested = policy.meta.get("limit_requested_bytes", policy.limit_bytes)
+        if requested != self.config.memory_limit_bytes:
+            raise PolicyError(f"it was planned for a limit of {fmt_bytes(requested or 0)}, not "
                               f"{fmt_bytes(self.config.memory_limit_bytes)}")
         for key, value in self.config.policy_meta.items():
             if policy.meta.get(key) != value:
@@ -158,14 +159,16 @@ class AutoPlanner:
     def policy_mismatch(self, state, signature: str) -> bool:
         """A loaded or planned policy does not fit the tape: drop it and profile again."""
         log.warning("TapeSAC: block %d's tape (signature %s) differs from the policy's; the policy is "
-                    "dropped and the run re-profiles (shapes, model or world size changed)",
-                    state.index, signature)
+                    "dropped and the run re-profiles (shapes or model changed)", state.index, signature)
+        self._reprofile()
+        return True
+
+    def _reprofile(self) -> None:
         self.handle.set_policy(None)
         self._abort_trace()
         self.phase = "warmup"
         self.step = 0
         self._profiled = []
-        return True
 
     def close(self) -> None:
         self._abort_trace()
@@ -201,7 +204,9 @@ class AutoPlanner:
             for s in self.handle.blocks:
                 s.timer = timer
             self._start_trace()
-        elif self.phase == "verify":
+        elif self.phase == "verify" and self.step > self.config.warmup_steps:
+            # A loaded policy is applied from the first step, but measured only once warm
+            # (the first steps allocate optimizer state and caches).
             self._start_trace()
 
     def _start_trace(self) -> None:
@@ -223,10 +228,13 @@ class AutoPlanner:
             if {b: t.signature() for b, t in tapes.items()} != signatures:
                 raise PlanError("TapeSAC: block tapes changed between profiling steps (dynamic "
                                 "shapes?); planned mode needs the same tapes every step")
-        times = {b: merge_times([tapes[b] for tapes, _m in self._profiled]) for b in last_tapes}
+        merged = {b: merge_profiles([tapes[b] for tapes, _m in self._profiled]) for b in last_tapes}
+        times = {b: m[0] for b, m in merged.items()}
+        sizes = {b: m[1] for b, m in merged.items()}
         memory = StepMemory.merge_max([m for _t, m in self._profiled])
-        times, memory = tdist.reduce_profile(times, memory, self.config.timing_reduction, group)
-        self._graphs = {b: block_graph(t, times[b], self._orders.get(b)) for b, t in last_tapes.items()}
+        times, sizes, memory = tdist.reduce_profile(times, sizes, memory, self.config.timing_reduction, group)
+        self._graphs = {b: block_graph(t, times[b], self._orders.get(b), sizes[b])
+                        for b, t in last_tapes.items()}
         self._memory = memory
         self._replan(self._limit)
 
@@ -296,7 +304,7 @@ class AutoPlanner:
             return
         if not hasattr(self, "_graphs"):  # a loaded policy overshoots: profile and plan afresh
             log.warning("TapeSAC: the loaded policy exceeds the limit; re-profiling")
-            self.policy_mismatch(self.handle.blocks[0], "over the limit")
+            self._reprofile()
             return
         self._replans += 1
         if self._replans > self.config.max_replans:

@@ -47,19 +47,22 @@ def check_signatures(signatures: dict[int, str], group=None) -> None:
         )
 
 
-def reduce_profile(op_times: dict[int, list[float]], memory: StepMemory, how: str = "max",
-                   group=None) -> tuple[dict[int, list[float]], StepMemory]:
-    """Per-op times reduced across ranks with ``how``; memory windows by maximum."""
+def reduce_profile(op_times: dict[int, list[float]], storage_bytes: dict[int, list[float]],
+                   memory: StepMemory, how: str = "max", group=None
+                   ) -> tuple[dict[int, list[float]], dict[int, list[float]], StepMemory]:
+    """Per-op times reduced across ranks with ``how``; storage sizes and memory windows by
+    maximum (sizes differ across ranks where they depend on the data, as in MoE routing)."""
     if how not in REDUCTIONS:
         raise ValueError(f"unknown timing reduction {how!r}; choose from {sorted(REDUCTIONS)}")
     if not active(group):
-        return op_times, memory
+        return op_times, storage_bytes, memory
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (op_times, memory.to_json()), group=group)
+    dist.all_gather_object(gathered, (op_times, storage_bytes, memory.to_json()), group=group)
     reduce = REDUCTIONS[how]
     times = {b: [reduce([g[0][b][i] for g in gathered]) for i in range(len(ts))] for b, ts in op_times.items()}
-    merged = StepMemory.merge_max([StepMemory.from_json(g[1]) for g in gathered])
-    return times, merged
+    sizes = {b: [max(g[1][b][i] for g in gathered) for i in range(len(ss))] for b, ss in storage_bytes.items()}
+    merged = StepMemory.merge_max([StepMemory.from_json(g[2]) for g in gathered])
+    return times, sizes, merged
 
 
 def broadcast(obj: Any, group=None) -> Any:

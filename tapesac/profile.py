@@ -51,17 +51,24 @@ class OpTimer:
         return out, statistics.median(times)
 
 
-def merge_times(tapes: Iterable[Tape]) -> list[float]:
-    """Per-op median over several profiled tapes of one block (same signature)."""
+def merge_profiles(tapes: Iterable[Tape]) -> tuple[list[float], list[float]]:
+    """(per-op median time, per-storage largest bytes) over profiled tapes of one block.
+
+    The tapes share a signature, so ops and storages line up; sizes can still differ where they
+    depend on the data (tokens per expert), and the plan must fit the largest.
+    """
     tapes = list(tapes)
     n = len(tapes[0].ops)
-    if any(len(t.ops) != n for t in tapes):
+    n_st = len(tapes[0].storage_nbytes)
+    if any(len(t.ops) != n or len(t.storage_nbytes) != n_st for t in tapes):
         raise ValueError("profiled tapes of one block differ in length")
-    return [statistics.median(t.ops[i].time_s or 0.0 for t in tapes) for i in range(n)]
+    times = [statistics.median(t.ops[i].time_s or 0.0 for t in tapes) for i in range(n)]
+    sizes = [float(max(t.storage_nbytes.get(s, 0) for t in tapes)) for s in range(n_st)]
+    return times, sizes
 
 
 def block_graph(tape: Tape, op_time_s: list[float] | None = None,
-                unpack_order: list[int] | None = None) -> BlockGraph:
+                unpack_order: list[int] | None = None, storage_bytes: list[float] | None = None) -> BlockGraph:
     """The planner's view of a recorded tape (see :class:`BlockGraph`).
 
     Always available: externals, snapshots, views of externals, outputs of keep-only ops. Not
@@ -81,8 +88,9 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
         keepable.append(not always and last_write.get(v.sid, -1) <= v.op)
         names.append(f"%{v.op}.{v.slot} {tape.op_name(v.op)}" if v.op >= 0 else f"%ext{v.vid}")
         positions.append((v.op, v.slot))
-    n_storages = max(tape.storage_nbytes) + 1 if tape.storage_nbytes else 0
-    storage_bytes = [float(tape.storage_nbytes.get(s, 0)) for s in range(n_storages)]
+    if storage_bytes is None:
+        n_storages = max(tape.storage_nbytes) + 1 if tape.storage_nbytes else 0
+        storage_bytes = [float(tape.storage_nbytes.get(s, 0)) for s in range(n_storages)]
     read = [v.vid for v in values if v.reads and v.kind == PRODUCED and not v.free]
     g = BlockGraph(
         op_time_s=list(times), op_deps=[list(op.deps) for op in ops], value_op=value_op,

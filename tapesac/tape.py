@@ -167,11 +167,14 @@ class Tape:
         return str(f) if hasattr(f, "_schema") else getattr(f, "__name__", repr(f))
 
     def signature(self) -> str:
-        """A stable hash of the tape's structure: ops, argument wiring, constants, shapes, dtypes.
+        """A stable hash of the tape's structure: which ops ran on what, and on which inputs.
 
-        Equal for two forwards of the same block on same-shaped inputs, and for two blocks of the
-        same architecture (externals are numbered by first use, not by identity). Identical
-        across processes, so ranks can compare them.
+        It covers op overloads, argument wiring, dtypes, non-integer constants, and the shapes of
+        the block's inputs and parameters; not integer constants or the shapes of values made
+        inside the block. Those follow from the input shapes in a dense block, and depend on the
+        data in an MoE block (tokens per expert), whose tape must still match from step to step
+        and rank to rank. Equal for two blocks of one architecture (externals are numbered by
+        first use, not by identity) and identical across processes, so ranks can compare them.
         """
         h = hashlib.sha256()
         ext_index: dict[int, int] = {}
@@ -190,14 +193,14 @@ class Tape:
                 return "{" + ",".join(f"{k}={enc(x)}" for k, x in sorted(a.items())) + "}"
             if isinstance(a, torch.Generator):
                 return "<gen>"
-            if isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device,
+            if isinstance(a, int) and not isinstance(a, bool):
+                return "#"
+            if isinstance(a, (bool, float, str, type(None), torch.dtype, torch.device,
                               torch.layout, torch.memory_format)):
                 return repr(a)
             return type(a).__name__
 
         for i, op in enumerate(self.ops):
-            outs = ",".join(
-                "-" if o is None else f"{list(values[o].shape)}{values[o].dtype}" for o in op.outs
-            )
+            outs = ",".join("-" if o is None else str(values[o].dtype) for o in op.outs)
             h.update(f"{i}:{self.op_name(i)}({enc(op.args)};{enc(op.kwargs)})->{outs}\n".encode())
         return h.hexdigest()[:16]

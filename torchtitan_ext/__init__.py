@@ -27,12 +27,24 @@ def _register_dataset() -> None:
         path=DATASET_PATH, loader=load, sample_processor=lambda sample: sample["text"]))
 
 
+def _register_flavors() -> None:
+    """qwen3 ``debugmodel_untied``: the debug flavor without tied embeddings. torchtitan 0.2.2's
+    FSDP2 wrapping rejects the tied debugmodel on more than one rank."""
+    import dataclasses
+
+    from torchtitan.models.qwen3 import qwen3_args
+
+    if "debugmodel_untied" not in qwen3_args:
+        qwen3_args["debugmodel_untied"] = dataclasses.replace(qwen3_args["debugmodel"], enable_weight_tying=False)
+
+
 def _setup() -> None:
     from . import cpu_shim, converter
 
     cpu_shim.install()
     converter.register()
     _register_dataset()
+    _register_flavors()
 
 
 _setup()

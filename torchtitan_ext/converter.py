@@ -100,6 +100,10 @@ def _artifact(path: str, dump_folder: str, default: str) -> str | None:
     return path or str(Path(dump_folder) / "tapesac" / default)
 
 
+ACTIVE: list["TapeSACConverter"] = []
+"""Converters built in this process, newest last (tools and tests inspect their handles)."""
+
+
 class TapeSACConverter:
     """Registered as ``tapesac``: list it in ``model.converters``."""
 
@@ -111,6 +115,7 @@ class TapeSACConverter:
         self.limit_bytes: int | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self._report_metrics()
+        ACTIVE.append(self)
 
     # ModelConverter protocol ----------------------------------------------------------------
 
@@ -120,12 +125,6 @@ class TapeSACConverter:
             raise ConfigError(f"TapeSAC wraps model.layers, and {type(model).__name__} has none")
         blocks = [b for b in model.layers.values() if b is not None]
         device = _device()
-        if device.type == "cpu":  # once sharded: gloo has no PREMUL_SUM for FSDP2's reduce-scatter
-            def force_sum_once(module: nn.Module, _args: Any) -> None:
-                cpu_shim.force_sum_reduction(module)
-                handle.remove()
-
-            handle = model.register_forward_pre_hook(force_sum_once)
         cfg = self.cfg
         if cfg.mode == "replay_only":
             self.handle = tapesac.wrap(blocks, debug=cfg.debug)

@@ -1,10 +1,11 @@
 """What torchtitan 0.2.2 needs to train on a machine without an accelerator.
 
 torchtitan picks ``cuda`` when no accelerator is present, reads memory statistics from
-``torch.cuda``, and FSDP2 reduces gradients with ``PREMUL_SUM`` which gloo lacks. :func:`install`
-(applied by ``import torchtitan_ext`` when no CUDA device exists) points torchtitan at a CPU
-"device module" with the few calls it makes, and :func:`force_sum_reduction` makes FSDP2 reduce
-with plain sums (torchtitan already disables FSDP's gradient division, so the result is equal).
+``torch.cuda``, and FSDP2 reduces gradients with ``PREMUL_SUM`` or ``AVG``, which gloo lacks.
+:func:`install` (applied by ``import torchtitan_ext`` when no CUDA device exists) points
+torchtitan at a CPU "device module" with the few calls it makes, and makes FSDP2 reduce CPU
+gradients with plain sums and a separate division (FSDP2's own ``force_sum_reduction_for_comms``
+path, applied to every FSDP module whose gradients live on the CPU; the result is the same).
 """
 
 from __future__ import annotations
@@ -110,13 +111,46 @@ def install() -> None:
 
     tt_utils.device_type, tt_utils.device_module = "cpu", module
     patch_ops()
+    _sum_reductions_on_cpu()
+    _experts_loop_on_cpu()
     _installed = True
 
 
-def force_sum_reduction(model: torch.nn.Module) -> None:
-    """FSDP2 modules reduce gradients with SUM (gloo has no PREMUL_SUM or AVG)."""
-    from torch.distributed.fsdp import FSDPModule
+def _experts_loop_on_cpu() -> None:
+    """torchtitan's grouped-mm MoE path pads token groups with a Triton kernel; on CPU the
+    experts run as a loop of matmuls instead (torchtitan's own ``use_grouped_mm=False`` path)."""
+    from torchtitan.models.moe.moe import GroupedExperts
 
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
+    original = GroupedExperts.forward
+    if getattr(original, "__tapesac__", False):
+        return
+
+    def forward(self, x, num_tokens_per_expert):
+        if self.use_grouped_mm and x.device.type == "cpu":
+            self.use_grouped_mm = False
+        return original(self, x, num_tokens_per_expert)
+
+    forward.__tapesac__ = True  # type: ignore[attr-defined]
+    GroupedExperts.forward = forward
+
+
+def _sum_reductions_on_cpu() -> None:
+    """FSDP2 decides its reduce ops per reduction; on CPU, ask it for its all-SUM variant.
+
+    torch 2.13 exposes the switch per module (``FSDPModule.set_force_sum_reduction_for_comms``)
+    and reads it in one place, which is where this applies it for CPU gradients, so that jobs
+    with and without TapeSAC reduce identically.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    original = collectives._get_gradient_divide_factors
+    if getattr(original, "__tapesac__", False):
+        return
+
+    def divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="",
+                       factor=None, force_sum_reduction_for_comms=False):
+        force = force_sum_reduction_for_comms or device_type == "cpu"
+        return original(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, force)
+
+    divide_factors.__tapesac__ = True  # type: ignore[attr-defined]
+    collectives._get_gradient_divide_factors = divide_factors

@@ -1,0 +1,192 @@
+"""torchtitan + FSDP2 on CPU with gloo: real torchrun jobs, compared to the bit with the baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "train_configs/llama3_debug_cpu.toml"
+BASELINE = "train_configs/llama3_debug_cpu_baseline.toml"
+STEPS = 5
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_titan(tmp: Path, name: str, config: str, *overrides: str, nproc: int = 2,
+              dump: Path | None = None, steps: int = STEPS) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    probe = tmp / name
+    dump = dump or tmp / f"{name}_dump"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "torchtitan.train", "--job.config_file", config, "--job.dump_folder", str(dump),
+           "--training.steps", str(steps), "--experimental.custom_import", "tests.titan_probe", *overrides]
+    env = {**os.environ, "TAPESAC_PROBE": str(probe), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    records = []
+    for r in range(nproc):
+        path = Path(f"{probe}.rank{r}.json")
+        records.append(json.loads(path.read_text()) if path.exists() else None)
+    return out, records
+
+
+def _ok(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("baseline")
+    out, records = run_titan(tmp, "base", BASELINE)
+    _ok(out)
+    return [r["losses"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def planned_limit_gib(tmp_path_factory):
+    """A limit between the smallest and the largest useful peak, read from a first run's frontier."""
+    tmp = tmp_path_factory.mktemp("span")
+    out, _ = run_titan(tmp, "span", CONFIG, "--tapesac.limit_gib", "8", steps=3)
+    _ok(out)
+    frontier = json.loads((tmp / "span_dump" / "tapesac" / "frontier.json").read_text())["frontier"]
+    lo, hi = frontier[0]["memory"], frontier[-1]["memory"]
+    assert hi > lo
+    return (lo + 0.4 * (hi - lo)) / 2**30
+
+
+def test_two_rank_fsdp_run_matches_baseline_bitwise_and_restarts_from_its_policy(tmp_path, baseline,
+                                                                                 planned_limit_gib):
+    dump = tmp_path / "dump"
+    limit = f"{planned_limit_gib:.6f}"
+    out, records = run_titan(tmp_path, "tapesac", CONFIG, "--tapesac.limit_gib", limit, dump=dump)
+    _ok(out)
+    assert [r["losses"] for r in records] == baseline  # the loss curve, to the bit, on every rank
+    r0, r1 = records
+    assert r0["planned"] and r1["planned"]
+    assert r0["policy"] == r1["policy"] and any(keep for _i, keep, _s in r0["policy"])
+    measured = r0["history"][0]["measured_peak_bytes"]
+    assert measured <= float(limit) * 2**30
+    assert abs(r0["history"][0]["predicted_peak_bytes"] - measured) <= 0.05 * measured
+    policy = json.loads((dump / "tapesac" / "policy.json").read_text())
+    assert policy["meta"]["world_size"] == 2
+    assert policy["meta"]["limit_requested_bytes"] == int(float(limit) * 2**30) >= policy["limit_bytes"]
+    assert "TapeSAC plan: limit" in out.stdout + out.stderr
+
+    # A restart with the same job loads the policy: no profiling, the same losses.
+    out2, again = run_titan(tmp_path, "restart", CONFIG, "--tapesac.limit_gib", limit, dump=dump)
+    _ok(out2)
+    log = out2.stdout + out2.stderr
+    assert "loaded policy" in log and "TapeSAC plan:" not in log
+    assert [r["losses"] for r in again] == baseline
+    assert again[0]["policy"] == r0["policy"] and not again[0]["planned"]
+
+
+def test_replay_only_mode_matches_baseline(tmp_path, baseline):
+    out, records = run_titan(tmp_path, "ro", CONFIG, "--tapesac.mode", "replay_only")
+    _ok(out)
+    assert [r["losses"] for r in records] == baseline
+    stats = records[0]["stats"]
+    assert all(s["ops_replayed"] > 0 and s["kept_bytes"] == 0 for s in stats.values())
+
+
+def test_two_nodes_on_loopback_match_baseline(tmp_path, baseline, planned_limit_gib):
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+               "--rdzv_id=tapesac-test", "-m", "torchtitan.train", "--job.config_file", CONFIG,
+               "--job.dump_folder", str(tmp_path / "dump"), "--training.steps", str(STEPS),
+               "--tapesac.limit_gib", f"{planned_limit_gib:.6f}",
+               "--experimental.custom_import", "tests.titan_probe"]
+        env = {**os.environ, "TAPESAC_PROBE": str(tmp_path / "nodes"), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    records = [json.loads((tmp_path / f"nodes.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["losses"] for r in records] == baseline
+    assert records[0]["policy"] == records[1]["policy"] and records[0]["planned"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--tapesac.budget", "1.5"], "tapesac.budget must be in (0, 1]"),
+    (["--tapesac.budget", "0"], "tapesac.budget must be in (0, 1]"),
+    (["--tapesac.limit_gib", "-1"], "tapesac.limit_gib must be >= 0"),
+    (["--tapesac.profile_steps", "0"], "tapesac.profile_steps must be an integer >= 1"),
+    (["--activation_checkpoint.mode", "full"], "TapeSAC replaces activation checkpointing"),
+    (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode = \"none\""),
+    (["--compile.enable"], "set compile.enable = false"),
+    (["--tapesac.bogus", "1"], "bogus"),
+])
+def test_bad_settings_fail_before_training(tmp_path, overrides, message):
+    out, records = run_titan(tmp_path, "bad", CONFIG, *overrides, nproc=1, steps=2)
+    assert out.returncode != 0
+    assert message in out.stdout + out.stderr
+    assert records[0] is None or records[0]["losses"] == []  # no step ran
+
+
+def test_unknown_field_in_toml_is_an_error(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text((ROOT / CONFIG).read_text() + "bogus_field = 3\n")
+    out, _ = run_titan(tmp_path, "badtoml", str(config), nproc=1, steps=2)
+    assert out.returncode != 0 and "bogus_field" in out.stdout + out.stderr
+
+
+def test_infeasible_limit_names_the_smallest_peak(tmp_path):
+    out, records = run_titan(tmp_path, "tiny", CONFIG, "--tapesac.limit_gib", "0.001", nproc=1, steps=4)
+    assert out.returncode != 0
+    log = out.stdout + out.stderr
+    assert "is infeasible" in log and "the smallest achievable" in log
+    assert len(records[0]["losses"]) <= 2  # warm-up and profiling steps only
+
+
+def test_policy_from_another_world_size_is_replanned_with_a_warning(tmp_path):
+    dump = tmp_path / "dump"
+    limit = "0.25"  # feasible on one rank too (unsharded parameters and optimizer state)
+    _ok(run_titan(tmp_path, "two", CONFIG, "--tapesac.limit_gib", limit, dump=dump, steps=3)[0])
+    out, records = run_titan(tmp_path, "one", CONFIG, "--tapesac.limit_gib", limit, dump=dump, nproc=1, steps=4)
+    _ok(out)
+    log = out.stdout + out.stderr
+    assert "ignoring policy file" in log and "world_size=2" in log
+    assert records[0]["planned"]
+    assert json.loads((dump / "tapesac" / "policy.json").read_text())["meta"]["world_size"] == 1
+
+
+def test_slurm_script_builds_the_torchrun_command(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {
+        "scontrol": 'echo gpu-node-07; echo gpu-node-08',
+        "srun": 'echo "srun $*"',
+    }.items():
+        path = bin_dir / name
+        path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8",
+           "PYTHON": "python3"}
+    out = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "train_configs/llama3_8b.toml",
+                          "--tapesac.budget", "0.85"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    srun = [line for line in out.stdout.splitlines() if line.startswith("srun ")][0]
+    assert srun == ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 python3 -m torch.distributed.run "
+                    "--nnodes 2 --nproc_per_node 8 --rdzv_id 4242 --rdzv_backend c10d "
+                    "--rdzv_endpoint gpu-node-07:29500 -m torchtitan.train --job.config_file "
+                    "train_configs/llama3_8b.toml --tapesac.budget 0.85")
+    env2 = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
+    out2 = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "x.toml"], env=env2,
+                          capture_output=True, text=True, timeout=60)
+    assert out2.returncode != 0 and "run under SLURM" in out2.stderr
