@@ -59,6 +59,7 @@ class TapeSACHandle:
     def set_policy(self, policy: "Any | None") -> None:
         """Keep the values a :class:`~tapesac.policy.Policy` names (None: replay-only)."""
         for s in self.blocks:
+            s._verified_key = None
             if policy is None:
                 s.keep, s.expected_signature, s.policy_predicted_peak = None, None, None
             else:

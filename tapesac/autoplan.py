@@ -144,9 +144,9 @@ class AutoPlanner:
 
     # Hooks called by BlockState ------------------------------------------------------------------
 
-    def before_forward(self, state) -> None:
+    def before_forward(self, state, args: tuple = (), kwargs: dict | None = None) -> None:
         if state is self.handle.blocks[0]:
-            self._step_boundary()
+            self._step_boundary(args, kwargs or {})
         if self._trace is not None:
             self._trace.boundary("fwd_start", state.index)
 
@@ -182,7 +182,7 @@ class AutoPlanner:
         for s in self.handle.blocks:
             s.timer = None
 
-    def _step_boundary(self) -> None:
+    def _step_boundary(self, args: tuple = (), kwargs: dict | None = None) -> None:
         if self._trace is not None:
             self._trace_orders = self._trace.unpack_orders
             memory = self._trace.finish()
@@ -199,21 +199,24 @@ class AutoPlanner:
         self.step += 1
         if self.phase == "warmup" and self.step > self.config.warmup_steps:
             self.phase = "profile"
+        # The first block's inputs (the embeddings) were made this step before any block ran.
+        inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
         if self.phase == "profile":
             timer = OpTimer(self.config.repeats, self.device.type)
             for s in self.handle.blocks:
                 s.timer = timer
-            self._start_trace()
+            self._start_trace(inputs)
         elif self.phase == "verify" and self.step > self.config.warmup_steps:
             # A loaded policy is applied from the first step, but measured only once warm
             # (the first steps allocate optimizer state and caches).
-            self._start_trace()
+            self._start_trace(inputs)
 
-    def _start_trace(self) -> None:
+    def _start_trace(self, inputs: list[torch.Tensor] = ()) -> None:
         track = []
         if self.device.type != "cuda":
             track = list(_tensors_of([s.module for s in self.handle.blocks]))
             track += list(_tensors_of(self.config.track))
+            track += list(_tensors_of(list(inputs)))
         self._trace = MemoryTrace(meter_for(self.device, track))
         self._trace.start()
 

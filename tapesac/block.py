@@ -41,6 +41,8 @@ class BlockState:
         """Tape signature the keep set was made for; a different tape is an error."""
         self.policy_predicted_peak: float | None = None
         """The step peak the applied policy was predicted to reach."""
+        self._verified_key: int | None = None
+        """``Tape.fast_key`` of a tape whose signature matched ``expected_signature``."""
         self.timer = None
         """An OpTimer while profiling: the next forwards time every op."""
         self.controller = None
@@ -98,7 +100,7 @@ class BlockState:
                 "checkpointing: remove the other one (torchtitan: activation_checkpoint.mode = 'none')"
             )
         if self.controller is not None:
-            self.controller.before_forward(self)
+            self.controller.before_forward(self, args, kwargs)
         owned = {id(t) for t in module.parameters()}
         owned.update(id(t) for t in module.buffers())
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer)
@@ -115,8 +117,11 @@ class BlockState:
 
     def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> None:
         if self.expected_signature is not None:
-            sig = rec.tape.signature()
-            if sig != self.expected_signature and not (
+            fast = rec.tape.fast_key()
+            sig = self.expected_signature if fast == self._verified_key else rec.tape.signature()
+            if sig == self.expected_signature:
+                self._verified_key = fast
+            elif not (
                     self.controller is not None and self.controller.policy_mismatch(self, sig)):
                 raise PolicyError(
                     f"TapeSAC block {self.index}: the recorded tape (signature {sig}, "

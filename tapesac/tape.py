@@ -166,6 +166,17 @@ class Tape:
         f = self.ops[index].func
         return str(f) if hasattr(f, "_schema") else getattr(f, "__name__", repr(f))
 
+    def fast_key(self) -> int:
+        """An in-process key that changes whenever :meth:`signature` may: ops, wiring, inputs.
+
+        Cheap (built-in hashing, no strings), so a block can check every step that its tape is
+        still the one whose signature was verified; not stable across processes.
+        """
+        return hash((
+            tuple((op.func, op.deps, len(op.outs)) for op in self.ops),
+            tuple((v.vid, v.shape, v.dtype) for v in self.values if v.kind != PRODUCED),
+        ))
+
     def signature(self) -> str:
         """A stable hash of the tape's structure: which ops ran on what, and on which inputs.
 

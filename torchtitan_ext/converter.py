@@ -114,6 +114,7 @@ class TapeSACConverter:
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._model: nn.Module | None = None
         self._report_metrics()
         ACTIVE.append(self)
 
@@ -132,6 +133,7 @@ class TapeSACConverter:
             return
         limit, capacity = memory_limit_bytes(cfg, device)
         self.limit_bytes = limit
+        self._model = model
         dump = self.job_config.job.dump_folder
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         register_optimizer_step_post_hook(self._note_optimizer)
@@ -177,7 +179,11 @@ class TapeSACConverter:
         train.build_metrics_processor = build_with_tapesac_metrics
 
     def _note_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if all(o is not optimizer for o in self.optimizers):
+        """Remember this model's optimizers (their state counts toward the CPU step peak)."""
+        if any(o is optimizer for o in self.optimizers) or self._model is None:
+            return
+        mine = {id(p) for p in self._model.parameters()}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             self.optimizers.append(optimizer)
 
     def metrics(self) -> dict[str, float]:

@@ -1,0 +1,350 @@
+"""TapeSAC's measured frontier against every policy a torchtitan user would pick instead.
+
+For each model (torchtitan llama3, qwen3 dense and qwen3 MoE, scaled so a CPU step takes about
+a second, and llama3 with frozen weights) every policy is built the way torchtitan builds a job:
+a JobConfig parsed from the model's CPU TOML plus command-line overrides, the model spec's
+``parallelize_fn`` (which applies torchtitan's activation checkpointing and torch.compile), and,
+for TapeSAC, the ``tapesac`` converter. All policies of a model live in one process and take
+turns, one full training step each (forward, cross-entropy, backward, AdamW), so drift of the
+machine hits all alike; ratios are medians of per-round ratios.
+
+Policies: no AC; torchtitan full AC (early_stop False as torchtitan sets it, and True);
+torchtitan selective op SAC and per-layer SAC (every 2nd layer); torch.compile with the
+activation memory budget; TapeSAC replay-only; TapeSAC planned at limits spanning full-AC to
+no-AC memory (at full AC's peak, op SAC's, the midpoint, three quarters, no AC's).
+
+Memory is the step peak measured by ``tapesac.memory.StorageCounter`` (bytes of live tensor
+storages: parameters, gradients, optimizer state, activations, batch), one counted step per
+policy after warm-up; TapeSAC plans against the same counting.
+
+    python tools/bench.py [--quick] [--json results.json] [--models llama3,qwen3] [--plot-dir docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+sys.argv, _argv = [sys.argv[0]], sys.argv  # torchtitan's config manager reads sys.argv at import
+
+import torch  # noqa: E402
+
+import torchtitan_ext  # noqa: E402,F401
+from bench_replay import tune_malloc  # noqa: E402
+from tapesac.memory import StorageCounter  # noqa: E402
+
+sys.argv = _argv
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    config: str
+    flavor: str
+    changes: dict
+    seq: int
+    batch: int
+    frozen: bool = False
+
+
+def model_specs(quick: bool) -> dict[str, ModelSpec]:
+    from torchtitan.models.moe import MoEArgs
+
+    if quick:
+        dense = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2)
+        seq, batch = 256, 2
+    else:
+        dense = dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=4)
+        seq, batch = 512, 2
+    qwen = dict(dense, head_dim=64, hidden_dim=3 * dense["dim"])
+    moe = dict(dim=256, n_layers=4 if not quick else 2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768,
+               moe_inter_dim=512, moe_args=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2,
+                                                   score_func="softmax", route_norm=True,
+                                                   score_before_experts=False))
+    return {
+        "llama3": ModelSpec("train_configs/llama3_debug_cpu.toml", "debugmodel", dense, seq, batch),
+        "qwen3": ModelSpec("train_configs/qwen3_debug_cpu.toml", "debugmodel_untied", qwen, seq, batch),
+        "qwen3_moe": ModelSpec("train_configs/qwen3_moe_debug_cpu.toml", "debugmodel_moe", moe, seq, batch),
+        "llama3_frozen": ModelSpec("train_configs/llama3_debug_cpu.toml", "debugmodel", dense, seq, batch,
+                                   frozen=True),
+    }
+
+
+BASELINES: list[tuple[str, list[str]]] = [
+    ("no AC", ["--activation_checkpoint.mode", "none"]),
+    ("full AC", ["--activation_checkpoint.mode", "full"]),
+    ("full AC early_stop", ["--activation_checkpoint.mode", "full", "--activation_checkpoint.early_stop"]),
+    ("op SAC", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    ("layer SAC", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),
+]
+
+
+def compile_policies(budgets: list[float]) -> list[tuple[str, list[str]]]:
+    return [(f"compile budget {b}", ["--activation_checkpoint.mode", "memory_budget",
+                                     "--activation_checkpoint.memory_budget", str(b),
+                                     "--compile.enable", "--compile.components", "model"]) for b in budgets]
+
+
+class Runner:
+    """One policy on one model: its own model copy (same initial weights), optimizer, converter."""
+
+    def __init__(self, name: str, spec: ModelSpec, config_path: str, overrides: list[str], tapesac: bool) -> None:
+        from torchtitan.components.loss import build_cross_entropy_loss
+        from torchtitan.config import ConfigManager
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        from torchtitan_ext.converter import TapeSACConverter
+
+        self.name = name
+        cfg = ConfigManager().parse_args(["--job.config_file", config_path, "--model.flavor", "bench",
+                                          "--training.seq_len", str(spec.seq),
+                                          "--training.local_batch_size", str(spec.batch), *overrides])
+        self.cfg = cfg
+        train_spec = get_train_spec(cfg.model.name)
+        args = train_spec.model_args["bench"]
+        args.update_from_config(cfg)
+        pd = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+        with torch.device("meta"):
+            model = train_spec.model_cls(args)
+        self.converter = None
+        if tapesac:
+            self.converter = TapeSACConverter(cfg, pd)
+            self.converter.convert(model)
+        model = train_spec.parallelize_fn(model, pd, cfg)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        if spec.frozen:  # fine-tuning: the blocks' linear weights are frozen, norms train
+            for n, p in model.layers.named_parameters():
+                p.requires_grad_("norm" in n)
+        self.model = model
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+        self.loss_fn = build_cross_entropy_loss(cfg)
+        self.vocab = args.vocab_size
+        self.times: list[float] = []
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        tokens, labels = batch
+        t0 = time.perf_counter()
+        pred = self.model(tokens)
+        loss = self.loss_fn(pred, labels) / labels.numel()
+        del pred
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def peak(self, batch) -> int:
+        counter = StorageCounter()
+        counter.track(p for p in self.model.parameters())
+        counter.track(self.model.buffers())
+        counter.track(v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        counter.track(batch)
+        with counter:
+            self.step(batch)
+        return counter.peak_bytes
+
+    @property
+    def planner(self):
+        return self.converter.handle.planner if self.converter and self.converter.handle else None
+
+
+def _config_without_tapesac(spec: ModelSpec, tmp: Path) -> str:
+    text = (ROOT / spec.config).read_text().replace('converters = ["tapesac"]', "converters = []")
+    path = tmp / Path(spec.config).name.replace(".toml", "_noconv.toml")
+    path.write_text(text)
+    return str(path)
+
+
+def _register_bench_flavor(spec: ModelSpec) -> None:
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    name = "qwen3" if "qwen3" in spec.config else "llama3"
+    flavors = get_train_spec(name).model_args
+    flavors["bench"] = dataclasses.replace(flavors[spec.flavor], **spec.changes)
+
+
+def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[float], log) -> list[dict]:
+    _register_bench_flavor(spec)
+    tmp = Path(tempfile.mkdtemp(prefix="tapesac-bench-"))
+    plain_config = _config_without_tapesac(spec, tmp)
+    gen = torch.Generator().manual_seed(1)
+    vocab = 2048
+    batches = [(torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen),
+                torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen)) for _ in range(4)]
+    runners: list[Runner] = []
+    for name, overrides in BASELINES + compile_policies(compile_budgets):
+        log(f"  building {name}")
+        runners.append(Runner(name, spec, plain_config, overrides, tapesac=False))
+    common = ["--activation_checkpoint.mode", "none", "--tapesac.policy_file", "none",
+              "--tapesac.frontier_file", "none", "--tapesac.cpu_capacity_gib", "1024"]
+    runners.append(Runner("TapeSAC replay-only", spec, spec.config, [*common, "--tapesac.mode", "replay_only"],
+                          tapesac=True))
+    for r in runners:  # warm-up (and compilation)
+        t0 = time.perf_counter()
+        for i in range(2):
+            r.step(batches[i % len(batches)])
+        log(f"  warmed up {r.name} in {time.perf_counter() - t0:.1f} s")
+    peaks = {r.name: r.peak(batches[0]) for r in runners}
+    no_ac, full_ac, op_sac = peaks["no AC"], peaks["full AC"], peaks["op SAC"]
+    limits = {
+        "full AC": full_ac, "op SAC": op_sac, "midpoint": (full_ac + no_ac) / 2,
+        "3/4": full_ac + 0.75 * (no_ac - full_ac), "no AC": no_ac,
+    }
+    for where, limit in limits.items():
+        name = f"TapeSAC @ {where} peak"
+        log(f"  planning {name}: limit {limit / 2**20:.1f} MiB")
+        r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", f"{limit / 2**30:.9f}"], tapesac=True)
+        r.limit_bytes = r.converter.limit_bytes
+        for i in range(4):  # warm-up, profile, verify (re-plan if needed), planned
+            r.step(batches[i % len(batches)])
+        runners.append(r)
+        peaks[name] = r.peak(batches[0])
+
+    for k in range(rounds):
+        order = runners[k % len(runners):] + runners[: k % len(runners)]
+        for r in order:
+            r.times.append(r.step(batches[k % len(batches)]))
+    by_name = {r.name: r for r in runners}
+
+    def ratio(a: Runner, b: Runner) -> float:
+        return statistics.median(x / y for x, y in zip(a.times, b.times))
+
+    records = []
+    for r in runners:
+        rec = {
+            "model": label, "policy": r.name,
+            "limit_bytes": getattr(r, "limit_bytes", None),
+            "step_s": statistics.median(r.times), "peak_bytes": peaks[r.name],
+            "predicted_peak_bytes": None, "step_s_all": r.times,
+            "vs_no_ac": ratio(r, by_name["no AC"]), "vs_full_ac": ratio(r, by_name["full AC"]),
+            "vs_op_sac": ratio(r, by_name["op SAC"]),
+        }
+        planner = r.planner
+        if planner is not None and planner.plan is not None:
+            a = planner.plan.allocation
+            rec["predicted_peak_bytes"] = a.predicted_peak_bytes
+            rec["predicted_recompute_s"] = a.recompute_s
+            rec["replans"] = len(planner.history) - 1
+        records.append(rec)
+    del runners, by_name
+    gc.collect()
+    return records
+
+
+def check_targets(records: list[dict]) -> list[str]:
+    """The issue's targets, each as a line that says met or missed and by how much."""
+    out = []
+    by = {r["policy"]: r for r in records}
+    tape = [r for r in records if r["policy"].startswith("TapeSAC")]
+    for b in records:
+        if b["policy"].startswith("TapeSAC"):
+            continue
+        dom = [t for t in tape if (t["peak_bytes"] <= b["peak_bytes"] and t["step_s"] < b["step_s"])
+               or (t["peak_bytes"] < b["peak_bytes"] and t["step_s"] <= b["step_s"])]
+        best = min((t for t in tape if t["peak_bytes"] <= b["peak_bytes"]), key=lambda t: t["step_s"], default=None)
+        detail = (f"fastest TapeSAC at no more memory: {best['policy']} {best['step_s']:.3f} s vs "
+                  f"{b['step_s']:.3f} s" if best else "no TapeSAC point at that memory")
+        out.append(f"{'met' if dom else 'MISSED'}: '{b['policy']}' dominated ({detail})")
+    ro, full = by["TapeSAC replay-only"], by["full AC"]
+    gain = 1 - ro["vs_full_ac"]
+    out.append(f"{'met' if gain >= 0.03 and ro['peak_bytes'] <= full['peak_bytes'] else 'MISSED'}: replay-only "
+               f"{100 * gain:+.1f}% faster than full AC (target >= 3%), memory {ro['peak_bytes'] / 2**20:.1f} vs "
+               f"{full['peak_bytes'] / 2**20:.1f} MiB")
+    at_op = by["TapeSAC @ op SAC peak"]
+    gain = 1 - at_op["vs_op_sac"]
+    out.append(f"{'met' if gain >= 0.05 else 'MISSED'}: planned at op SAC's memory {100 * gain:+.1f}% faster "
+               f"than op SAC (target >= 5%)")
+    mid = by["TapeSAC @ midpoint peak"]
+    gap = mid["vs_no_ac"] - 1
+    out.append(f"{'met' if gap <= 0.03 else 'MISSED'}: planned at the midpoint {100 * gap:+.1f}% vs no AC "
+               "(target within 3%)")
+    over = [t for t in tape if t["limit_bytes"] and t["peak_bytes"] > t["limit_bytes"]]
+    out.append(f"{'met' if not over else 'MISSED'}: measured peak never above the limit"
+               + ("" if not over else f" ({', '.join(t['policy'] for t in over)})"))
+    return out
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| policy | median step (s) | vs no AC | vs full AC | vs op SAC | measured peak (MiB) | "
+             "limit (MiB) | predicted peak (MiB) | predicted recompute (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        mib = lambda x: f"{x / 2**20:.1f}" if x else ""  # noqa: E731
+        rec = f"{1e3 * r['predicted_recompute_s']:.1f}" if r.get("predicted_recompute_s") is not None else ""
+        lines.append(f"| {r['policy']} | {r['step_s']:.3f} | {100 * (r['vs_no_ac'] - 1):+.1f}% | "
+                     f"{100 * (r['vs_full_ac'] - 1):+.1f}% | {100 * (r['vs_op_sac'] - 1):+.1f}% | "
+                     f"{r['peak_bytes'] / 2**20:.1f} | {mib(r['limit_bytes'])} | {mib(r['predicted_peak_bytes'])} | "
+                     f"{rec} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path, model: str) -> None:
+    from tapesac.plot import plot_frontier
+
+    tape = sorted((r for r in records if r["policy"].startswith("TapeSAC")), key=lambda r: r["peak_bytes"])
+    frontier, best = [], float("inf")
+    for r in tape:  # measured Pareto front of the TapeSAC points
+        if r["step_s"] < best:
+            frontier.append(r)
+            best = r["step_s"]
+    plot_frontier({
+        "title": f"{model}: measured step time vs step peak (CPU)",
+        "memory_label": "measured step peak (MiB)", "time_label": "median step time (s)",
+        "frontier": [{"memory": r["peak_bytes"] / 2**20, "recompute_time": r["step_s"]} for r in frontier],
+        "baselines": [{"policy": r["policy"], "memory": r["peak_bytes"] / 2**20, "recompute_time": r["step_s"]}
+                      for r in records if not r["policy"].startswith("TapeSAC")],
+    }, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small models, few rounds, one compile budget (<10 min)")
+    ap.add_argument("--json", default=None, help="write one record per (model, policy) here")
+    ap.add_argument("--models", default=None, help="comma-separated subset: llama3,qwen3,qwen3_moe,llama3_frozen")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--compile-budgets", default=None, help="comma-separated; empty string for none")
+    ap.add_argument("--plot-dir", default=None, help="write frontier_<model>.png here")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    tuned = tune_malloc()
+    rounds = a.rounds or (3 if a.quick else 7)
+    budgets = ([0.5] if a.quick else [0.3, 0.7]) if a.compile_budgets is None else \
+        [float(x) for x in a.compile_budgets.split(",") if x]
+    specs = model_specs(a.quick)
+    names = a.models.split(",") if a.models else list(specs)
+    print(f"threads={a.threads} malloc tuned={tuned} rounds={rounds} compile budgets={budgets}", flush=True)
+    all_records = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        records = bench_model(name, specs[name], rounds, budgets, lambda m: print(m, flush=True))
+        all_records += records
+        print(markdown(records))
+        for line in check_targets(records):
+            print(line)
+        if a.plot_dir:
+            Path(a.plot_dir).mkdir(parents=True, exist_ok=True)
+            plot(records, Path(a.plot_dir) / f"frontier_{name}.png", name)
+        print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps(all_records, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
