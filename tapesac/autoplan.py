@@ -38,6 +38,9 @@ class PlanConfig:
 
     memory_limit_bytes: int
     """Limit on the step peak, in bytes."""
+    safety_margin: float = 0.005
+    """Fraction of the limit held back for what a profiled step cannot show: allocations outside
+    the measured window, and sizes that change with the data (tokens per expert in MoE)."""
     warmup_steps: int = 1
     """Replay-only steps before profiling."""
     profile_steps: int = 1
@@ -114,7 +117,9 @@ class AutoPlanner:
         """One record per planned (verified) step: limit, predicted and measured peak."""
         self._trace: MemoryTrace | None = None
         self._profiled: list[tuple[dict[int, Any], StepMemory]] = []
-        self._limit = float(config.memory_limit_bytes)
+        if not 0 <= config.safety_margin < 1:
+            raise PlanError(f"safety_margin must be in [0, 1), got {config.safety_margin}")
+        self._limit = float(config.memory_limit_bytes) * (1 - config.safety_margin)
         self._replans = 0
         first = handle.blocks[0].module
         params = list(first.parameters())

@@ -35,6 +35,10 @@ class TapeSAC:
     limit_gib: float = 0.0
     """Absolute step-peak limit in GiB; when > 0 it overrides ``budget``."""
 
+    safety_margin: float = 0.005
+    """Fraction of the limit the plan leaves unused, for memory a profiled step cannot show
+    (allocations outside the blocks' window, data-dependent sizes such as MoE routing)."""
+
     cpu_capacity_gib: float = 0.0
     """Device capacity assumed on CPU, where no allocator reports one, in GiB. 0: physical memory
     divided by the ranks on this node."""

@@ -51,6 +51,8 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
         raise ConfigError(f"tapesac.mode must be 'plan' or 'replay_only', got {cfg.mode!r}")
     if not (isinstance(cfg.budget, (int, float)) and 0 < cfg.budget <= 1) or math.isnan(cfg.budget):
         raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {cfg.budget!r}")
+    if not 0 <= cfg.safety_margin < 1:
+        raise ConfigError(f"tapesac.safety_margin must be in [0, 1), got {cfg.safety_margin!r}")
     for name in ("limit_gib", "cpu_capacity_gib", "solver_time_limit_s"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"tapesac.{name} must be >= 0, got {getattr(cfg, name)!r}")
@@ -138,7 +140,7 @@ class TapeSACConverter:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         register_optimizer_step_post_hook(self._note_optimizer)
         plan = PlanConfig(
-            memory_limit_bytes=limit,
+            memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
             repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
