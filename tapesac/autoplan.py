@@ -40,7 +40,8 @@ class PlanConfig:
     """Limit on the step peak, in bytes."""
     safety_margin: float = 0.005
     """Fraction of the limit held back for what a profiled step cannot show: allocations outside
-    the measured window, and sizes that change with the data (tokens per expert in MoE)."""
+    the measured window, and sizes that change with the data (tokens per expert in MoE). Never
+    reserved below the smallest achievable peak."""
     warmup_steps: int = 1
     """Replay-only steps before profiling."""
     profile_steps: int = 1
@@ -119,7 +120,7 @@ class AutoPlanner:
         self._profiled: list[tuple[dict[int, Any], StepMemory]] = []
         if not 0 <= config.safety_margin < 1:
             raise PlanError(f"safety_margin must be in [0, 1), got {config.safety_margin}")
-        self._limit = float(config.memory_limit_bytes) * (1 - config.safety_margin)
+        self._limit = float(config.memory_limit_bytes)
         self._replans = 0
         first = handle.blocks[0].module
         params = list(first.parameters())
@@ -255,6 +256,7 @@ class AutoPlanner:
                                  points_per_block=self.config.points_per_block,
                                  frontier_points=self.config.frontier_points,
                                  solver_time_limit_s=self.config.solver_time_limit_s,
+                                 margin=self.config.safety_margin,
                                  meta={"limit_requested_bytes": self.config.memory_limit_bytes,
                                        **self.config.policy_meta})
                 payload = ("plan", plan)

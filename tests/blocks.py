@@ -31,7 +31,7 @@ def _torchtitan_case(model: nn.Module, vocab: int, seq: int = 16, batch: int = 2
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
 
     def run(m: nn.Module) -> torch.Tensor:
-        return m(tokens).float().pow(2).mean()
+        return m(tokens.to(next(m.parameters()).device)).float().pow(2).mean()
 
     return Case(model, list(model.layers.values()), run, [])
 
@@ -74,15 +74,15 @@ def qwen3_moe(layers: int = 2, seq: int = 16, batch: int = 2) -> Case:
 
 def _stack_case(blocks: list[nn.Module], x: torch.Tensor, loss=None, **kwargs) -> Case:
     model = nn.ModuleList(blocks)
-    x = x.requires_grad_()
+    inputs = [x.requires_grad_()]
 
     def run(m: nn.Module) -> torch.Tensor:
-        h = x
+        h = inputs[0]
         for b in m:
             h = b(h, **kwargs)
         return loss(h) if loss else h.pow(2).sum()
 
-    return Case(model, list(model), run, [x])
+    return Case(model, list(model), run, inputs)
 
 
 def encoder_dropout() -> Case:
@@ -229,15 +229,15 @@ class MultiIOBlock(nn.Module):
 def multi_io() -> Case:
     torch.manual_seed(0)
     model = nn.ModuleList([MultiIOBlock(), MultiIOBlock()])
-    x = torch.randn(3, 16, requires_grad=True)
-    extra = torch.randn(3, 16, requires_grad=True)
+    inputs = [torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)]
 
     def run(m: nn.Module) -> torch.Tensor:
+        x, extra = inputs
         h, g = m[0](x, scale=0.5, mode="exp", extra=extra)
         h2, g2 = m[1](g, scale=2.0)
         return (h * g).sum() + (h2 - g2).pow(2).sum()
 
-    return Case(model, list(model), run, [x, extra])
+    return Case(model, list(model), run, inputs)
 
 
 class SquareBlock(nn.Module):
@@ -309,6 +309,14 @@ CASES: dict[str, Callable[[], Case]] = {
     "square": square,
     "custom_function": custom_function,
 }
+
+
+def to_device(case: Case, device: str) -> Case:
+    """Move a case's model and leaf inputs to ``device`` (in place)."""
+    case.model.to(device)
+    for i, x in enumerate(case.inputs):
+        case.inputs[i] = x.detach().to(device).requires_grad_()
+    return case
 
 
 def grads(case: Case, *, wrap=None, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -57,18 +57,23 @@ class ModelSpec:
     frozen: bool = False
 
 
-def model_specs(quick: bool) -> dict[str, ModelSpec]:
+def model_specs(quick: bool, gpu: bool = False) -> dict[str, ModelSpec]:
     from torchtitan.models.moe import MoEArgs
 
-    if quick:
-        dense = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2)
-        seq, batch = 256, 2
+    # Activations must outweigh parameters and optimizer state, as in real LLM training at long
+    # sequence lengths; otherwise every policy's peak is the optimizer step's and nothing differs.
+    if gpu:  # realistic widths for one GPU, few layers so the whole check stays short
+        dense = dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8)
+        seq, batch = 4096, 2
+    elif quick:
+        dense = dict(dim=128, n_layers=4, n_heads=2, n_kv_heads=1)
+        seq, batch = 256, 4
     else:
-        dense = dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=4)
-        seq, batch = 512, 2
-    qwen = dict(dense, head_dim=64, hidden_dim=3 * dense["dim"])
-    moe = dict(dim=256, n_layers=4 if not quick else 2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768,
-               moe_inter_dim=512, moe_args=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2,
+        dense = dict(dim=256, n_layers=6, n_heads=4, n_kv_heads=2)
+        seq, batch = 512, 4
+    qwen = dict(dense, head_dim=dense["dim"] // dense["n_heads"], hidden_dim=3 * dense["dim"])
+    moe = dict(dim=256 if not quick else 128, n_layers=4 if not quick else 2, n_heads=4, n_kv_heads=2,
+               head_dim=64, hidden_dim=768, moe_inter_dim=512 if not quick else 256, moe_args=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2,
                                                    score_func="softmax", route_norm=True,
                                                    score_before_experts=False))
     return {
@@ -93,6 +98,51 @@ def compile_policies(budgets: list[float]) -> list[tuple[str, list[str]]]:
     return [(f"compile budget {b}", ["--activation_checkpoint.mode", "memory_budget",
                                      "--activation_checkpoint.memory_budget", str(b),
                                      "--compile.enable", "--compile.components", "model"]) for b in budgets]
+
+
+@dataclasses.dataclass
+class Setup:
+    """Where and how the models run."""
+
+    device: str = "cpu"
+    fsdp: bool = False
+    """Shard every block and the root with FSDP2 (one rank: torchtitan itself skips FSDP2 then)."""
+    bf16: bool = False
+    """FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction."""
+
+
+SETUP = Setup()
+
+
+def _init_single_rank_group() -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if SETUP.device == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{port}")
+
+
+def _fully_shard(model: torch.nn.Module) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _init_single_rank_group()
+    mesh = init_device_mesh(SETUP.device, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if SETUP.bf16 else None, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _sync() -> None:
+    if SETUP.device == "cuda":
+        torch.cuda.synchronize()
 
 
 class Runner:
@@ -122,10 +172,12 @@ class Runner:
             self.converter = TapeSACConverter(cfg, pd)
             self.converter.convert(model)
         model = train_spec.parallelize_fn(model, pd, cfg)
-        model.to_empty(device="cpu")
+        if SETUP.fsdp:
+            _fully_shard(model)
+        model.to_empty(device=SETUP.device)
         torch.manual_seed(0)
         with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
+            model.init_weights(buffer_device=torch.device(SETUP.device))
         if spec.frozen:  # fine-tuning: the blocks' linear weights are frozen, norms train
             for n, p in model.layers.named_parameters():
                 p.requires_grad_("norm" in n)
@@ -137,6 +189,7 @@ class Runner:
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         tokens, labels = batch
+        _sync()
         t0 = time.perf_counter()
         pred = self.model(tokens)
         loss = self.loss_fn(pred, labels) / labels.numel()
@@ -144,6 +197,7 @@ class Runner:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        _sync()
         return time.perf_counter() - t0
 
     def peak(self, batch) -> int:
@@ -153,6 +207,11 @@ class Runner:
         compiled code; for eager code it equals ``tapesac.memory.StorageCounter`` exactly."""
         from torch.profiler import ProfilerActivity, profile
 
+        if SETUP.device == "cuda":  # the caching allocator's own statistics
+            self.step(batch)
+            torch.cuda.reset_peak_memory_stats()
+            self.step(batch)
+            return torch.cuda.max_memory_allocated()
         alive = [*self.model.parameters(), *self.model.buffers(), *batch,
                  *(v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
         base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}.values())
@@ -194,8 +253,8 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
     plain_config = _config_without_tapesac(spec, tmp)
     gen = torch.Generator().manual_seed(1)
     vocab = 2048
-    batches = [(torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen),
-                torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen)) for _ in range(4)]
+    batches = [(torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen).to(SETUP.device),
+                torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen).to(SETUP.device)) for _ in range(4)]
     runners: list[Runner] = []
     for name, overrides in BASELINES + compile_policies(compile_budgets):
         log(f"  building {name}")
@@ -340,16 +399,23 @@ def main() -> None:
     ap.add_argument("--compile-budgets", default=None, help="comma-separated; empty string for none")
     ap.add_argument("--plot-dir", default=None, help="write frontier_<model>.png here")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 on one rank around every block")
+    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (with --fsdp)")
     ap.add_argument("--debug-peaks", action="store_true", help="also count each peak by storage counting")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    SETUP.device, SETUP.fsdp, SETUP.bf16 = a.device, a.fsdp, a.bf16
+    if a.bf16 and not a.fsdp:
+        ap.error("--bf16 needs --fsdp (bf16 comes from FSDP2's mixed-precision policy)")
     tuned = tune_malloc()
     rounds = a.rounds or (3 if a.quick else 7)
     budgets = ([0.5] if a.quick else [0.3, 0.7]) if a.compile_budgets is None else \
         [float(x) for x in a.compile_budgets.split(",") if x]
-    specs = model_specs(a.quick)
+    specs = model_specs(a.quick, gpu=a.device == "cuda")
     names = a.models.split(",") if a.models else list(specs)
-    print(f"threads={a.threads} malloc tuned={tuned} rounds={rounds} compile budgets={budgets}", flush=True)
+    print(f"device={a.device} fsdp={a.fsdp} bf16={a.bf16} threads={a.threads} malloc tuned={tuned} "
+          f"rounds={rounds} compile budgets={budgets}", flush=True)
     all_records = []
     for name in names:
         t0 = time.perf_counter()

@@ -54,7 +54,7 @@ class Plan:
 
 def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: float, *,
               points_per_block: int = 12, frontier_points: int = 24, solver_time_limit_s: float = 0.15,
-              meta: dict[str, Any] | None = None) -> Plan:
+              margin: float = 0.0, meta: dict[str, Any] | None = None) -> Plan:
     """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``."""
     t0 = time.perf_counter()
     kinds: dict[str, list[int]] = {}
@@ -66,7 +66,7 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
                                         time_limit_s=max(solver_time_limit_s, 1.0))
     frontiers = {b: block_frontiers[sig] for sig, blocks in kinds.items() for b in blocks}
     deltas = replay_deltas(graphs, kinds, block_frontiers, memory)
-    alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas)
+    alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas, margin)
     sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas) if frontier_points else []
     policy_blocks = {}
     for b, p in alloc.points.items():

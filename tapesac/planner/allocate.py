@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..memory import StepMemory, fmt_bytes
-from .milp import Point, _highs
+from .milp import Point, Rows
 
 log = logging.getLogger("tapesac")
 
@@ -155,12 +155,13 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
 
 
 def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
-             time_limit_s: float = 0.5, deltas: Deltas | None = None) -> Allocation:
+             time_limit_s: float = 0.5, deltas: Deltas | None = None, margin: float = 0.0) -> Allocation:
     """The fastest choice of frontier points whose predicted step peak fits ``limit_bytes``.
 
     A greedy pass (best time saved per kept byte first) gives a feasible plan at once; the MILP
-    then improves on it within ``time_limit_s`` (0: greedy only). Raises PlanError when even
-    keeping nothing exceeds the limit, naming the smallest achievable peak.
+    then improves on it within ``time_limit_s`` (0: greedy only). ``margin`` (a fraction of the
+    limit) is left unused where the limit allows it, never below the smallest achievable peak.
+    Raises PlanError when even keeping nothing exceeds the limit, naming that smallest peak.
     """
     for b, pts in frontiers.items():
         if not pts or any(q.memory < p.memory for p, q in zip(pts, pts[1:])):
@@ -174,6 +175,7 @@ def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes:
             "bytes), the smallest achievable. Raise the limit (budget) to at least that, or reduce "
             "batch size or sequence length"
         )
+    limit_bytes = max(limit_bytes * (1 - margin), floor)
     choice = greedy(memory, frontiers, limit_bytes, deltas)
     label = "greedy"
     if time_limit_s > 0:
@@ -200,41 +202,16 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
     scale = max(limit_bytes, 1.0)
     t_scale = max([p.time for pts in frontiers.values() for p in pts] + [1e-30])
     cost = np.array([frontiers[b][i].time / t_scale for b, i in cols])
-    inf = highspy.kHighsInf
-    starts, index, value, lo, hi = [0], [], [], [], []
+    program = Rows()
     for b in sorted(frontiers):  # exactly one point per block
         idx = [j for j, (bb, _i) in enumerate(cols) if bb == b]
-        index += idx
-        value += [1.0] * len(idx)
-        starts.append(len(index))
-        lo.append(1.0)
-        hi.append(1.0)
+        program.add(idx, [1.0] * len(idx), 1.0, 1.0)
     for peak, coef in rows:
         nz = sorted(coef)
-        index += nz
-        value += [coef[j] / scale for j in nz]
-        starts.append(len(index))
-        lo.append(-inf)
-        hi.append((limit_bytes - peak) / scale)
-    lp = highspy.HighsLp()
-    lp.num_col_ = n
-    lp.num_row_ = len(lo)
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.ones(n)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-    lp.row_lower_ = np.array(lo)
-    lp.row_upper_ = np.array(hi)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(value)
-    lp.a_matrix_.num_col_ = n
-    lp.a_matrix_.num_row_ = len(lo)
-    h = _highs()
+        program.add(nz, [coef[j] / scale for j in nz], hi=(limit_bytes - peak) / scale)
+    h = program.binary_program(cost)
     h.setOptionValue("mip_rel_gap", 1e-4)
     h.setOptionValue("time_limit", float(time_limit_s))
-    h.passModel(lp)
     x0 = np.array([1.0 if start[b] == i else 0.0 for b, i in cols])
     sol = highspy.HighsSolution()
     sol.col_value = x0

@@ -76,6 +76,46 @@ def _highs():
     return h
 
 
+class Rows:
+    """The constraint rows of a binary program, gathered row by row (CSR)."""
+
+    def __init__(self) -> None:
+        self.starts, self.index, self.value, self.lo, self.hi = [0], [], [], [], []
+
+    def add(self, cols: list[int], coefs: list[float], lo: float = -highspy.kHighsInf,
+            hi: float = highspy.kHighsInf) -> int:
+        """Add ``lo <= sum coefs * x[cols] <= hi``; returns the row's index."""
+        self.index += cols
+        self.value += coefs
+        self.starts.append(len(self.index))
+        self.lo.append(lo)
+        self.hi.append(hi)
+        return len(self.lo) - 1
+
+    def binary_program(self, cost: np.ndarray, lower: np.ndarray | None = None,
+                       upper: np.ndarray | None = None) -> highspy.Highs:
+        """A quiet HiGHS instance holding ``min cost @ x`` over binary x subject to these rows."""
+        n = len(cost)
+        lp = highspy.HighsLp()
+        lp.num_col_ = n
+        lp.num_row_ = len(self.lo)
+        lp.col_cost_ = np.asarray(cost, dtype=float)
+        lp.col_lower_ = np.zeros(n) if lower is None else lower
+        lp.col_upper_ = np.ones(n) if upper is None else upper
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * n
+        lp.row_lower_ = np.array(self.lo)
+        lp.row_upper_ = np.array(self.hi)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(self.starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(self.index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(self.value)
+        lp.a_matrix_.num_col_ = n
+        lp.a_matrix_.num_row_ = len(self.lo)
+        h = _highs()
+        h.passModel(lp)
+        return h
+
+
 class BlockModel:
     """The MILP of one block, built once and re-solved for many memory bounds."""
 
@@ -138,47 +178,16 @@ class BlockModel:
                 coefs.append(1.0)
             rows.append((cols, coefs, 0.0))
 
-        inf = highspy.kHighsInf
-        lp = highspy.HighsLp()
-        lp.num_col_ = n
-        lp.col_cost_ = self.time_cost
-        lp.col_lower_ = lower
-        lp.col_upper_ = upper
-        lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-        starts, index, value, rlo, rhi = [0], [], [], [], []
+        program = Rows()
         for cols, coefs, lo in rows:
-            index += cols
-            value += coefs
-            starts.append(len(index))
-            rlo.append(lo)
-            rhi.append(inf)
-        # The two budget rows: kept memory (row M) and replay time (row T).
-        self.row_mem = len(rlo)
+            program.add(cols, coefs, lo)
+        # The two budget rows: kept memory (row M) and replay time (row T); bounds set per solve.
         nz_m = np.nonzero(self.mem_cost)[0]
-        index += nz_m.tolist()
-        value += self.mem_cost[nz_m].tolist()
-        starts.append(len(index))
-        rlo.append(-inf)
-        rhi.append(inf)
-        self.row_time = len(rlo)
+        self.row_mem = program.add(nz_m.tolist(), self.mem_cost[nz_m].tolist())
         nz_t = np.nonzero(self.time_cost)[0]
-        index += nz_t.tolist()
-        value += self.time_cost[nz_t].tolist()
-        starts.append(len(index))
-        rlo.append(-inf)
-        rhi.append(inf)
-        lp.num_row_ = len(rlo)
-        lp.row_lower_ = np.array(rlo)
-        lp.row_upper_ = np.array(rhi)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-        lp.a_matrix_.value_ = np.array(value)
-        lp.a_matrix_.num_col_ = n
-        lp.a_matrix_.num_row_ = len(rlo)
-        self.h = _highs()
-        self.h.passModel(lp)
-        self._inf = inf
+        self.row_time = program.add(nz_t.tolist(), self.time_cost[nz_t].tolist())
+        self.h = program.binary_program(self.time_cost, lower, upper)
+        self._inf = highspy.kHighsInf
         self.stopped_early = 0
         """Solves that hit the time limit and returned their best feasible answer."""
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# GPU check for a CUDA machine with torchtitan installed: correctness tests on CUDA and a short
+# llama3/qwen3 benchmark (bf16, FSDP2 on one GPU), all results in one JSON file, < 8 minutes.
+#   bash tools/gpu_check.sh [RESULT_FILE]          (default: gpu_check.json)
+# Dependencies: bash scripts/setup.sh, or pre-installed wheels on machines without a registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python3}" tools/gpu_check.py --result "${1:-gpu_check.json}"
