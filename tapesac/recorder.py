@@ -251,6 +251,7 @@ class Recorder(TorchDispatchMode):
             "random op on a device without a known generator" if info.random and rng is None else None)
         tape.ops.append(op)
         pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)}
+        first_new_sid = len(tape.storage_nbytes)
         writes = []
         outs: list[int | None] = []
         tensors: list[Tensor | None] = []
@@ -275,6 +276,8 @@ class Recorder(TorchDispatchMode):
             tensors.append(t)
         op.outs = outs
         op.writes = tuple(writes)
+        nbytes = tape.storage_nbytes
+        op.alloc_bytes = sum(nbytes[s] for s in range(first_new_sid, len(nbytes)))
 
         keep_all = op.keep_only is not None
         keep = self._keep

@@ -281,23 +281,17 @@ class Replayer:
         rc = self.rc
         if stats is not None:
             stats["ops_replayed"] += 1
-            allocated = {_storage_ptr(a) for a in _tensors(args, kwargs)}
+            stats["recomputed_bytes"] += op.alloc_bytes  # the same op allocated as much in the forward
         for slot, vid in enumerate(op.outs):
             if vid is None:
                 continue
             t = write_out.get(vid)
-            fresh = t is None
-            if fresh:
+            if t is None:
                 t = flat[slot]
             if pending[vid] > 0 or vid == target:
                 local[vid] = t
             if rc.get(vid, 0) > 0:
                 cache[vid] = t
-            if stats is not None and fresh:
-                ptr = _storage_ptr(t)
-                if ptr not in allocated:
-                    allocated.add(ptr)
-                    stats["recomputed_bytes"] += t.untyped_storage().nbytes()
         pinned = self.pinned
         for d in op.deps:
             n = rc.get(d, 0) - 1
@@ -318,14 +312,6 @@ class Replayer:
                 if ovid != vid and o is not t and _storage_ptr(o) == ptr:
                     return True
         return False
-
-
-def _tensors(args: list, kwargs: dict):
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, Tensor):
-            yield a
-        elif isinstance(a, list):
-            yield from (x for x in a if isinstance(x, Tensor))
 
 
 def _swap(args: list, kwargs: dict, old: Tensor, new: Tensor) -> None:

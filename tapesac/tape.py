@@ -66,7 +66,7 @@ class TapeOp:
     """One recorded call: enough to run it again on other tensors of the same values."""
 
     __slots__ = ("func", "args", "kwargs", "deps", "outs", "n_returned", "writes", "rng", "keep_only",
-                 "inplace_view", "time_s")
+                 "inplace_view", "time_s", "alloc_bytes")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, deps: tuple[int, ...]) -> None:
         self.func = func
@@ -88,6 +88,8 @@ class TapeOp:
         self.inplace_view = False
         self.time_s: float | None = None
         """Measured run time (profiling forwards only)."""
+        self.alloc_bytes = 0
+        """Bytes of the storages this op allocated (its outputs that alias nothing older)."""
 
 
 def flatten_outputs(out: Any) -> list:

@@ -78,6 +78,15 @@ def test_plan_is_saved_and_loaded_without_profiling(tmp_path):
     assert len(data["frontier"]) >= 2 and frontier.with_suffix(".png").exists()
     mems = [p["memory"] for p in data["frontier"]]
     assert mems == sorted(mems)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "frontier.py"
+    png = tmp_path / "again.png"
+    out = subprocess.run([sys.executable, str(tool), "--saved", str(frontier), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and png.exists() and "recompute time" in out.stdout
     # A new run loads the policy, records with it from the first step, and never profiles.
     expected, actual, handle2 = _train("qwen3", limit, policy_path=str(path))
     for e, a in zip(expected, actual):
