@@ -48,8 +48,11 @@ def block_frontier(data: dict, max_points: int | None) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"full block replay time: {result['block_replay_time']}")
-    print(f"replay-only time:       {result['replay_only_time']}")
+    if "block_replay_time" in result:
+        print(f"full block replay time: {result['block_replay_time']}")
+        print(f"replay-only time:       {result['replay_only_time']}")
+    else:
+        print(result.get("title", "frontier"))
     print(f"{'memory':>14}  {'recompute time':>16}  kept")
     for p in result["frontier"]:
         kept = ", ".join(map(str, p["kept"])) or "-"
