@@ -62,11 +62,13 @@ class TapeSACHandle:
             s._verified_key = None
             if policy is None:
                 s.keep, s.expected_signature, s.policy_predicted_peak = None, None, None
+                s.passthrough = False
             else:
                 entry = policy.for_block(s.index)
                 s.keep = frozenset(entry.keep)
                 s.expected_signature = entry.signature
                 s.policy_predicted_peak = policy.predicted_peak_bytes
+                s.passthrough = entry.passthrough
 
     def remove(self) -> None:
         """Put every block back exactly as it was. Idempotent."""

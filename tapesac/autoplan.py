@@ -160,7 +160,8 @@ class AutoPlanner:
         trace = self._trace
         if trace is not None:
             trace.boundary("fwd_end", state.index)
-            replayer.on_first_unpack = lambda r, b=state.index: trace.boundary("bwd_start", b, r)
+            if replayer is not None:  # None: a pass-through block (plain autograd)
+                replayer.on_first_unpack = lambda r, b=state.index: trace.boundary("bwd_start", b, r)
 
     def policy_mismatch(self, state, signature: str) -> bool:
         """A loaded or planned policy does not fit the tape: drop it and profile again."""

@@ -42,6 +42,8 @@ class BlockState:
         """Tape signature the keep set was made for; a different tape is an error."""
         self.policy_predicted_peak: float | None = None
         """The step peak the applied policy was predicted to reach."""
+        self.passthrough = False
+        """The policy keeps everything this block's backward reads: plain autograd, no recording."""
         self._verified_key: int | None = None
         """``Tape.fast_key`` of a tape whose signature matched ``expected_signature``."""
         self.timer = None
@@ -52,7 +54,7 @@ class BlockState:
         """Called after each recorded forward (profiling, planning hooks)."""
         self.stats: dict[str, Any] = {
             "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
-            "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None,
+            "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
         }
         self.last_recorder: weakref.ref | None = None
         self.last_tape = None
@@ -102,6 +104,14 @@ class BlockState:
             )
         if self.controller is not None:
             self.controller.before_forward(self, args, kwargs)
+        # A pass-through block still records once per policy, to check the policy fits its tape.
+        if self.passthrough and self.timer is None and self._verified_key is not None:
+            self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
+                              input_bytes=0, recomputed_bytes=0, passthrough=True)
+            out = self.original_forward(*args, **kwargs)
+            if self.controller is not None:
+                self.controller.after_forward(self, None)
+            return out
         owned = {id(t) for t in module.parameters()}
         owned.update(id(t) for t in module.buffers())
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer)
@@ -143,6 +153,7 @@ class BlockState:
         replayer = rec.finalize()
         replayer.stats = self.stats
         s = self.stats
+        s["passthrough"] = False
         s["ops_recorded"] = len(rec.tape.ops)
         s["ops_in_closure"] = len(replayer.closure_ops)
         s["values_read"] = len(rec.tape.read_vids())

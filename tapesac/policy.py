@@ -24,6 +24,8 @@ class BlockPolicy:
     """Predicted bytes of the kept storages."""
     recompute_s: float = 0.0
     """Predicted replay time of this block's backward, in seconds."""
+    passthrough: bool = False
+    """The block keeps everything backward reads: run it as plain autograd, not recorded."""
 
 
 @dataclasses.dataclass
@@ -60,7 +62,8 @@ class Policy:
             "meta": self.meta,
             "blocks": {
                 str(i): {"signature": b.signature, "keep": [list(p) for p in b.keep],
-                         "kept_bytes": b.kept_bytes, "recompute_s": b.recompute_s}
+                         "kept_bytes": b.kept_bytes, "recompute_s": b.recompute_s,
+                         "passthrough": b.passthrough}
                 for i, b in sorted(self.blocks.items())
             },
         }
@@ -75,7 +78,8 @@ class Policy:
         try:
             blocks = {
                 int(i): BlockPolicy(b["signature"], [(int(p[0]), int(p[1])) for p in b["keep"]],
-                                    int(b.get("kept_bytes", 0)), float(b.get("recompute_s", 0.0)))
+                                    int(b.get("kept_bytes", 0)), float(b.get("recompute_s", 0.0)),
+                                    bool(b.get("passthrough", False)))
                 for i, b in data["blocks"].items()
             }
         except (KeyError, TypeError, ValueError, IndexError) as e:

@@ -155,3 +155,12 @@ def test_frontier_tool_reads_a_measured_block_graph(tmp_path):
     assert result["frontier"][0]["memory"] == 0
     assert result["replay_only_time"] == result["frontier"][0]["recompute_time"] > 0
     assert result["block_replay_time"] >= result["replay_only_time"]
+
+
+def test_blocks_that_keep_everything_run_as_plain_autograd():
+    expected, actual, handle = _train("llama3", 1e12)  # room for everything: nothing to recompute
+    for e, a in zip(expected, actual):
+        assert_identical(e, a)
+    assert all(b.passthrough for b in handle.plan.policy.blocks.values())
+    stats = handle.stats()
+    assert all(s["passthrough"] and s["ops_recorded"] == 0 for s in stats.values())

@@ -72,8 +72,10 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
     for b, p in alloc.points.items():
         g = graphs[b]
         positions = g.positions or [(v, 0) for v in range(g.num_values)]
+        # Keeping everything backward reads is plain autograd: no need to record the block.
+        passthrough = not g.closure(p.kept)
         policy_blocks[b] = BlockPolicy(g.signature, [tuple(positions[v]) for v in p.kept],
-                                       int(p.memory), p.time)
+                                       int(p.memory), p.time, passthrough)
     policy = Policy(policy_blocks, limit_bytes=int(limit_bytes),
                     predicted_peak_bytes=int(alloc.predicted_peak_bytes),
                     predicted_recompute_s=alloc.recompute_s,
