@@ -27,7 +27,7 @@ from .errors import PlanError, PolicyError
 from .memory import MemoryTrace, StepMemory, fmt_bytes, meter_for
 from .planner import Plan, make_plan
 from .policy import Policy
-from .profile import OpTimer, block_graph, merge_profiles
+from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
 
 log = logging.getLogger("tapesac")
 
@@ -245,6 +245,12 @@ class AutoPlanner:
         times, sizes, memory = tdist.reduce_profile(times, sizes, memory, self.config.timing_reduction, group)
         self._graphs = {b: block_graph(t, times[b], self._orders.get(b), sizes[b])
                         for b, t in last_tapes.items()}
+        # TapeSAC's own costs belong in the plan: each replayed op's bookkeeping, and recording
+        # a block at all (saved when a block keeps everything and runs as plain autograd).
+        record_s, replay_s = tdist.broadcast(calibrate_overheads(self.device), group)
+        for b, g in self._graphs.items():
+            g.op_overhead_s = replay_s
+            g.record_overhead_s = record_s * len(last_tapes[b].ops)
         self._memory = memory
         self._replan(self._limit)
 

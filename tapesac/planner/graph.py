@@ -42,6 +42,11 @@ class BlockGraph:
     op_names: list[str] | None = None
     positions: list[tuple[int, int]] | None = None
     """Tape position ``(op index, slot)`` of each value: what a policy stores."""
+    op_overhead_s: float = 0.0
+    """TapeSAC's own cost of replaying one op (Python bookkeeping), added to every replayed op."""
+    record_overhead_s: float = 0.0
+    """TapeSAC's cost of recording the block and serving its unpacks; saved when the block keeps
+    everything backward reads and runs as plain autograd."""
     fixed_bytes: float = 0.0
     """Bytes held whatever the plan (outputs of keep-only ops that backward needs)."""
     signature: str = ""
@@ -88,7 +93,12 @@ class BlockGraph:
         return ops
 
     def recompute_time(self, kept: Iterable[int]) -> float:
-        return sum(self.op_time_s[o] for o in self.closure(kept))
+        """What replaying costs with ``kept`` held: the closure's ops, plus TapeSAC's overheads
+        unless nothing is replayed (then the block runs as plain autograd)."""
+        ops = self.closure(kept)
+        if not ops:
+            return 0.0
+        return sum(self.op_time_s[o] for o in ops) + len(ops) * self.op_overhead_s + self.record_overhead_s
 
     def kept_bytes(self, kept: Iterable[int]) -> float:
         return sum(self.storage_bytes[s] for s in {self.value_storage[v] for v in kept})
@@ -103,7 +113,7 @@ class BlockGraph:
                    {self.value_storage[v] for v in self.read if v not in kept and self.value_op[v] in ops})
 
     def block_replay_time(self) -> float:
-        """Time to rerun the whole block forward (full activation checkpointing)."""
+        """Time of every op of the block: what full activation checkpointing reruns."""
         return sum(self.op_time_s)
 
     def replay_only_time(self) -> float:

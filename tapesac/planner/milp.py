@@ -136,11 +136,11 @@ class BlockModel:
         self.cand, self.k_col, self.n = cand, k_col, n
 
         # Scale costs to O(1): HiGHS's tolerances are absolute.
-        self.t_scale = max([g.op_time_s[o] for o in ops] + [1e-30])
+        self.t_scale = max([g.op_time_s[o] + g.op_overhead_s for o in ops] + [1e-30])
         self.m_scale = max([g.storage_bytes[s] for s in storages + t_storages] + [1e-30])
         self.time_cost = np.zeros(n)
         for o, c in op_col.items():
-            self.time_cost[c] = g.op_time_s[o] / self.t_scale
+            self.time_cost[c] = (g.op_time_s[o] + g.op_overhead_s) / self.t_scale
         self.mem_cost = np.zeros(n)
         for s, c in x_col.items():
             self.mem_cost[c] = g.storage_bytes[s] / self.m_scale
@@ -247,7 +247,7 @@ def evaluate(g: BlockGraph, kept: Sequence[int]) -> Point:
     # A kept value is useful only if backward reads it or a replayed op reads it.
     needed = set(g.read) | {d for o in ops for d in g.op_deps[o]}
     kept = tuple(sorted(v for v in kept if v in needed))
-    return Point(kept, g.kept_bytes(kept), sum(g.op_time_s[o] for o in ops), g.transient_bytes(kept))
+    return Point(kept, g.kept_bytes(kept), g.recompute_time(kept), g.transient_bytes(kept))
 
 
 def pareto(points: Sequence[Point]) -> list[Point]:
