@@ -181,9 +181,13 @@ class Recorder(TorchDispatchMode):
 
     def _encode(self, a: Any, deps: list[int]) -> Any:
         if isinstance(a, Tensor):
-            vid = self._lookup(a)
-            if vid is None:
+            ent = self._ids.get(id(a))  # self._lookup(a), inlined: this runs for every argument
+            if ent is None or ent[0]() is not a:
                 vid = self._external(a)
+            elif a._version != self.tape.values[ent[1]].version:
+                vid = self._refresh(a)
+            else:
+                vid = ent[1]
             deps.append(vid)
             return Ref(vid)
         if isinstance(a, (list, tuple)):
@@ -217,8 +221,9 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         info = op_info(func)
         deps: list[int] = []
-        eargs = tuple(self._encode(a, deps) for a in args)
-        ekwargs = {k: self._encode(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
+        encode = self._encode
+        eargs = tuple([encode(a, deps) for a in args])
+        ekwargs = {k: encode(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
         written = written_tensors(info, args, kwargs) if info.write_args else ()
         before = []
         if written:
@@ -243,14 +248,14 @@ class Recorder(TorchDispatchMode):
             return out
         tape = self.tape
         idx = len(tape.ops)
-        op = TapeOp(func, eargs, ekwargs, tuple(dict.fromkeys(deps)))
+        op = TapeOp(func, eargs, ekwargs, tuple(deps) if len(deps) < 2 else tuple(dict.fromkeys(deps)))
         op.rng = rng
         op.time_s = elapsed
         op.inplace_view = info.inplace_view
         op.keep_only = (keep_only_reason(info, args) if info.keep_only else None) or (
             "random op on a device without a known generator" if info.random and rng is None else None)
         tape.ops.append(op)
-        pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)}
+        pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)} if written else None
         first_new_sid = len(tape.storage_nbytes)
         writes = []
         outs: list[int | None] = []
@@ -260,7 +265,7 @@ class Recorder(TorchDispatchMode):
                 outs.append(None)
                 tensors.append(None)
                 continue
-            w = pending.pop(id(o), None)
+            w = pending.pop(id(o), None) if pending else None
             if w is not None:
                 vid = self._write_value(idx, len(outs), o, w[1] and not info.inplace_view)
                 writes.append((w[2], vid))
@@ -269,7 +274,7 @@ class Recorder(TorchDispatchMode):
             outs.append(vid)
             tensors.append(o)
         op.n_returned = len(outs)
-        for t, bumps, b in pending.values():
+        for t, bumps, b in (pending.values() if pending else ()):
             vid = self._write_value(idx, len(outs), t, bumps and not info.inplace_view)
             writes.append((b, vid))
             outs.append(vid)
@@ -277,7 +282,8 @@ class Recorder(TorchDispatchMode):
         op.outs = outs
         op.writes = tuple(writes)
         nbytes = tape.storage_nbytes
-        op.alloc_bytes = sum(nbytes[s] for s in range(first_new_sid, len(nbytes)))
+        if len(nbytes) > first_new_sid:
+            op.alloc_bytes = sum([nbytes[s] for s in range(first_new_sid, len(nbytes))])
 
         keep_all = op.keep_only is not None
         keep = self._keep

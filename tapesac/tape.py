@@ -122,10 +122,8 @@ class Tape:
 
     def add_value(self, op: int, slot: int, kind: int, t: torch.Tensor, version: int, sid: int) -> int:
         vid = len(self.values)
-        self.values.append(
-            Value(vid, op, slot, kind, version, sid, self.storage_nbytes[sid], tuple(t.shape), t.dtype,
-                  free=kind == PRODUCED and sid in self.external_sids)
-        )
+        self.values.append(Value(vid, op, slot, kind, version, sid, self.storage_nbytes[sid], tuple(t.shape),
+                                 t.dtype, kind == PRODUCED and sid in self.external_sids))
         return vid
 
     # Queries ------------------------------------------------------------------------------
