@@ -169,7 +169,9 @@ def test_slurm_script_builds_the_torchrun_command(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in {
-        "scontrol": 'echo gpu-node-07; echo gpu-node-08',
+        # A long node list: the script must read all of it (a reader that stops early would get
+        # the writer killed by SIGPIPE, and pipefail would fail the job).
+        "scontrol": 'echo gpu-node-07; for i in $(seq 8 30000); do echo gpu-node-$i; done',
         "srun": 'echo "srun $*"',
     }.items():
         path = bin_dir / name
