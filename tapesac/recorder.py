@@ -181,13 +181,9 @@ class Recorder(TorchDispatchMode):
 
     def _encode(self, a: Any, deps: list[int]) -> Any:
         if isinstance(a, Tensor):
-            ent = self._ids.get(id(a))  # self._lookup(a), inlined: this runs for every argument
-            if ent is None or ent[0]() is not a:
+            vid = self._lookup(a)
+            if vid is None:
                 vid = self._external(a)
-            elif a._version != self.tape.values[ent[1]].version:
-                vid = self._refresh(a)
-            else:
-                vid = ent[1]
             deps.append(vid)
             return Ref(vid)
         if isinstance(a, (list, tuple)):
@@ -255,7 +251,7 @@ class Recorder(TorchDispatchMode):
         op.keep_only = (keep_only_reason(info, args) if info.keep_only else None) or (
             "random op on a device without a known generator" if info.random and rng is None else None)
         tape.ops.append(op)
-        pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)} if written else None
+        pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)} if written else {}
         first_new_sid = len(tape.storage_nbytes)
         writes = []
         outs: list[int | None] = []
@@ -265,7 +261,7 @@ class Recorder(TorchDispatchMode):
                 outs.append(None)
                 tensors.append(None)
                 continue
-            w = pending.pop(id(o), None) if pending else None
+            w = pending.pop(id(o), None)
             if w is not None:
                 vid = self._write_value(idx, len(outs), o, w[1] and not info.inplace_view)
                 writes.append((w[2], vid))
@@ -274,7 +270,7 @@ class Recorder(TorchDispatchMode):
             outs.append(vid)
             tensors.append(o)
         op.n_returned = len(outs)
-        for t, bumps, b in (pending.values() if pending else ()):
+        for t, bumps, b in pending.values():
             vid = self._write_value(idx, len(outs), t, bumps and not info.inplace_view)
             writes.append((b, vid))
             outs.append(vid)
