@@ -81,3 +81,14 @@ def test_report_reprints_a_saved_run(tmp_path):
     assert "| TapeSAC @ midpoint peak | 1.050 |" in out.stdout
     assert "met: replay-only +3.3% faster than full AC" in out.stdout
     assert (tmp_path / "frontier_m.png").stat().st_size > 0
+
+
+def test_report_rejects_a_file_that_is_not_a_saved_run(tmp_path):
+    missing = subprocess.run([sys.executable, "tools/bench.py", "--report", str(tmp_path / "none.json")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "cannot read a saved run" in missing.stderr
+    other = tmp_path / "policy.json"
+    other.write_text(json.dumps({"version": 1, "blocks": []}))
+    wrong = subprocess.run([sys.executable, "tools/bench.py", "--report", str(other)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "not a file written by --json" in wrong.stderr

@@ -435,7 +435,14 @@ def main() -> None:
                     help="run nothing: print the tables and targets (and plots with --plot-dir) of a saved --json")
     a = ap.parse_args()
     if a.report:
-        report(json.loads(Path(a.report).read_text()), a.plot_dir)
+        try:
+            records = json.loads(Path(a.report).read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--report {a.report}: cannot read a saved run ({e})")
+        if not (isinstance(records, list) and records and all(
+                isinstance(r, dict) and {"model", "policy", "step_s", "peak_bytes"} <= r.keys() for r in records)):
+            ap.error(f"--report {a.report}: not a file written by --json (a list of per-policy records)")
+        report(records, a.plot_dir)
         return
     torch.set_num_threads(a.threads)
     SETUP.device, SETUP.fsdp, SETUP.bf16 = a.device, a.fsdp, a.bf16
