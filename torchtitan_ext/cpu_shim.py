@@ -176,7 +176,8 @@ def _exit_after_clean_teardown() -> None:
     shutdown problem upstream (pytorch/pytorch#190489, the abandoned pytorch/pytorch#179291).
     torchrun then reports the finished job as failed and kills its other ranks. Every Python
     ``atexit`` handler registered after this one (all of torchtitan's, a test's probes) still
-    runs first, and logs are flushed. Only ``destroy_process_group()`` called by
+    runs first; handlers registered before it (logging's shutdown, which this calls itself, and
+    multiprocessing's cleanup of daemon children) do not. Only ``destroy_process_group()`` called by
     ``torchtitan/train.py``'s ``main`` counts (after it that function only logs and returns);
     any other caller, one that raised, or an uncaught exception later leaves the normal exit
     path, and its status, untouched.
