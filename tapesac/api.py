@@ -59,16 +59,17 @@ class TapeSACHandle:
     def set_policy(self, policy: "Any | None") -> None:
         """Keep the values a :class:`~tapesac.policy.Policy` names (None: replay-only)."""
         for s in self.blocks:
-            s._verified_key = None
-            if policy is None:
-                s.keep, s.expected_signature, s.policy_predicted_peak = None, None, None
-                s.passthrough = False
-            else:
-                entry = policy.for_block(s.index)
-                s.keep = frozenset(entry.keep)
-                s.expected_signature = entry.signature
-                s.policy_predicted_peak = policy.predicted_peak_bytes
-                s.passthrough = entry.passthrough
+            s.use_policy(None if policy is None else policy.for_block(s.index),
+                         None if policy is None else policy.predicted_peak_bytes)
+
+    def step(self) -> None:
+        """Mark the end of a training step (planned mode).
+
+        Planned mode ends a step by itself when an optimizer over the blocks' parameters finishes
+        ``step()``. Call this instead once per step if you update parameters otherwise; from the
+        first call on, optimizer steps are ignored. A no-op in replay-only mode."""
+        if self.planner is not None:
+            self.planner.step()
 
     def remove(self) -> None:
         """Put every block back exactly as it was. Idempotent."""

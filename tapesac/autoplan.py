@@ -1,33 +1,50 @@
-"""Planned mode: profile the first steps, plan under a memory limit, apply the plan, check it.
+"""Planned mode: profile real steps, plan under a memory limit, apply the plan, check it.
 
-Steps are counted at the forward of the first wrapped block. The life of a run:
+A *step* is one optimizer step: it ends when an optimizer that owns parameters of the wrapped
+blocks finishes ``step()`` (a global optimizer post-hook, removed with the handle), or when the
+user calls ``handle.step()`` (after which optimizer hooks are ignored). Everything between two
+step boundaries belongs to the step: any number of micro-batches, forwards first or interleaved,
+blocks applied twice, a retained graph's second backward (see ``tapesac.stepmodel``).
 
-1. ``warmup_steps`` steps in replay-only mode (allocator, lazy initialisation);
-2. ``profile_steps`` steps in replay-only mode with every op timed and the memory traced;
-3. plan (rank 0 when distributed, on times and traces reduced over ranks), apply everywhere;
-4. the next step is measured: if its peak exceeds the limit, re-plan with the overshoot as a
-   margin (at most ``max_replans`` times, then replay-only with a warning).
+Phases (:class:`Phase`), the same on every rank:
 
-A saved policy whose signatures match the recorded tapes skips steps 1-3.
+1. ``warmup``: ``warmup_steps`` steps replay-only (the first optimizer step allocates its state);
+2. then each step runs under the plan made for its *step key* (the blocks recorded and their
+   input shapes), or replay-only when there is none. A step whose key has no plan makes the next
+   step a *profiling* step (every op timed, memory traced); at its end rank 0 plans for that key
+   and broadcasts the plan. A small cache keeps a plan per key (a few sequence lengths).
+3. The first step under a new plan is measured (*verify*): over the limit means re-plan tighter
+   (at most ``max_replans`` times, then replay-only for that key with a warning).
+
+Rules that keep ranks in agreement: every decision that leads to a collective is taken from
+data every rank has (step counts, broadcast plans) or agreed at the step's end by one small
+all-reduce (the step key's hash and flags); a saved policy is read by rank 0 and broadcast.
+A recording whose tape does not match its plan drops what it would keep (replay-only memory)
+and marks the step; the plan is then dropped on every rank and the key is profiled again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import enum
+import hashlib
 import logging
-from pathlib import Path
-from typing import Any, Callable, Iterable
+import weakref
+from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import distributed as tdist
+from .artifacts import save_plan
 from .errors import PlanError, PolicyError
-from .memory import MemoryTrace, StepMemory, fmt_bytes, meter_for
+from .memory import fmt_bytes, meter_for
 from .planner import Plan, make_plan
+from .planner.graph import BlockGraph
 from .policy import Policy
 from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
+from .stepmodel import StepMemory, StepTrace
 
 log = logging.getLogger("tapesac")
 
@@ -43,9 +60,11 @@ class PlanConfig:
     the measured window, and sizes that change with the data (tokens per expert in MoE). Never
     reserved below the smallest achievable peak."""
     warmup_steps: int = 1
-    """Replay-only steps before profiling."""
+    """Replay-only optimizer steps before the first profile (the first one allocates optimizer
+    state once)."""
     profile_steps: int = 1
-    """Replay-only steps with every op timed and memory traced; times are their median."""
+    """Kept for compatibility: one profiled step per step key (its ops are timed ``repeats``
+    times)."""
     repeats: int = 3
     """Runs per op when timing (median)."""
     timing_reduction: str = "max"
@@ -55,9 +74,15 @@ class PlanConfig:
     points_per_block: int = 12
     """Points of each kind's frontier the allocation chooses from."""
     frontier_points: int = 24
+    """Points of the step frontier written for people (0: none)."""
     verify: bool = True
-    """Measure the first planned step and re-plan tighter if it exceeds the limit."""
+    """Measure the first step under each plan and re-plan tighter if it exceeds the limit."""
     max_replans: int = 3
+    """Re-plans per step key after measured overshoots, before falling back to replay-only."""
+    max_plans: int = 8
+    """Step keys (input shapes) planned at most; steps of further keys run replay-only."""
+    max_profile_failures: int = 2
+    """Failed profiles of one step key before it runs replay-only for good (with a warning)."""
     policy_path: str | None = None
     """Load the policy from here when it matches (skips profiling); save it here after planning."""
     frontier_path: str | None = None
@@ -67,12 +92,107 @@ class PlanConfig:
     device: torch.device | None = None
     """Device whose memory is measured (default: that of the first block's parameters)."""
     track: Any = None
-    """CPU only: what besides the blocks counts toward the peak (modules, tensors, optimizers, or
-    a callable returning tensors). On CUDA the allocator's own statistics count everything."""
+    """CPU only: what besides the blocks and the stepping optimizers counts toward the peak
+    (modules, tensors, optimizers, or a callable returning them). On CUDA the allocator's own
+    statistics count everything."""
     process_group: Any = None
     policy_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Facts stored in the saved policy and checked when loading it (world size, model): a
     policy made under other facts is ignored with a warning, and the run re-plans."""
+
+    def __post_init__(self) -> None:
+        if not self.memory_limit_bytes or self.memory_limit_bytes <= 0:
+            raise PlanError(f"memory limit must be positive, got {self.memory_limit_bytes} bytes")
+        if not 0 <= self.safety_margin < 1:
+            raise PlanError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.profile_steps < 1 or self.warmup_steps < 0 or self.repeats < 1:
+            raise PlanError("profile_steps and repeats must be >= 1 and warmup_steps >= 0")
+        if self.timing_reduction not in tdist.REDUCTIONS:
+            raise PlanError(f"timing_reduction must be one of {sorted(tdist.REDUCTIONS)}, "
+                            f"got {self.timing_reduction!r}")
+
+
+class Phase(str, enum.Enum):
+    WARMUP = "warmup"
+    PROFILE = "profile"
+    """This step is being profiled."""
+    PLANNED = "planned"
+    """Steps run under the plan of their key (or replay-only until it is made)."""
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """The plan of one step key, and what it was made from (None for a loaded policy)."""
+
+    key: str
+    input_keys: dict[int, str]
+    """Per block, the input signature its recordings had in the profiled step."""
+    policy: Policy
+    plan: Plan | None = None
+    graphs: dict[int, BlockGraph] | None = None
+    memory: StepMemory | None = None
+    limit_bytes: float = 0.0
+    """The limit this plan was solved for (tighter than the user's after an overshoot)."""
+    replans: int = 0
+    verified: bool = False
+
+
+@dataclasses.dataclass
+class _Recording:
+    rid: int
+    block: int
+    input_key: str
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What the current step has seen so far (reset at every boundary)."""
+
+    recordings: list[_Recording] = dataclasses.field(default_factory=list)
+    tapes: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    """(block, tape) of every recording of a profiling step."""
+    active: StepPlan | None = None
+    """The plan chosen at the step's first recording."""
+    off_plan: bool = False
+    """A recording ran without the active plan's entry (other shapes): replay-only."""
+    mismatch: bool = False
+    """A recording's tape did not match the active plan's signature."""
+    forwards: int = 0
+
+
+def input_key(args: tuple, kwargs: dict) -> str:
+    """What a block's forward was called with, without values: shapes, dtypes, grad flags.
+
+    Device indices and values are left out, so ranks that run the same shapes agree."""
+    parts: list[str] = []
+
+    def enc(a: Any) -> None:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{tuple(a.shape)}{str(a.dtype)[6:]}{'g' if a.requires_grad else ''}")
+        elif isinstance(a, (list, tuple)):
+            parts.append("[")
+            for x in a:
+                enc(x)
+            parts.append("]")
+        elif a is None or isinstance(a, bool):
+            parts.append(repr(a))
+        else:
+            parts.append(type(a).__name__)
+
+    for a in args:
+        enc(a)
+    for k in sorted(kwargs):
+        parts.append(k + "=")
+        enc(kwargs[k])
+    return ",".join(parts)
+
+
+def step_key(recordings: Iterable[_Recording]) -> str:
+    """The identity of a step's program: which blocks ran how often, on which input shapes."""
+    h = hashlib.sha256()
+    for b, ik in sorted((r.block, r.input_key) for r in recordings):
+        h.update(f"{b}:{ik}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _tensors_of(things: Any) -> Iterable[torch.Tensor]:
@@ -90,6 +210,11 @@ def _tensors_of(things: Any) -> Iterable[torch.Tensor]:
                     yield _local(p.grad)
             yield from (_local(b) for b in t.buffers())
         elif isinstance(t, torch.optim.Optimizer):
+            for group in t.param_groups:
+                for p in group["params"]:
+                    yield _local(p)
+                    if p.grad is not None:
+                        yield _local(p.grad)
             for state in t.state.values():
                 yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
         elif isinstance(t, torch.Tensor):
@@ -102,42 +227,371 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class AutoPlanner:
-    """Drives planned mode for one :class:`~tapesac.api.TapeSACHandle`."""
+    """Drives planned mode for one :class:`~tapesac.api.TapeSACHandle` (see the module doc)."""
 
     def __init__(self, handle, config: PlanConfig) -> None:
-        if config.memory_limit_bytes <= 0:
-            raise PlanError(f"memory limit must be positive, got {config.memory_limit_bytes} bytes")
-        if config.profile_steps < 1 or config.warmup_steps < 0:
-            raise PlanError("profile_steps must be >= 1 and warmup_steps >= 0")
         self.handle = handle
         self.config = config
-        self.step = 0
-        self.phase = "warmup"
-        self.plan: Plan | None = None
-        self.history: list[dict[str, Any]] = []
-        """One record per planned (verified) step: limit, predicted and measured peak."""
-        self._trace: MemoryTrace | None = None
-        self._profiled: list[tuple[dict[int, Any], StepMemory]] = []
-        if not 0 <= config.safety_margin < 1:
-            raise PlanError(f"safety_margin must be in [0, 1), got {config.safety_margin}")
-        self._limit = float(config.memory_limit_bytes)
-        self._replans = 0
+        self.group = config.process_group
         first = handle.blocks[0].module
         params = list(first.parameters())
         self.device = config.device or (params[0].device if params else torch.device("cpu"))
+        self.phase = Phase.WARMUP
+        self.steps = 0
+        """Step boundaries seen (optimizer steps or ``handle.step()`` calls)."""
+        self.plans: dict[str, StepPlan] = {}
+        """Plans by step key, at most ``config.max_plans``."""
+        self.plan: Plan | None = None
+        """The most recently solved plan (None until one is made; a loaded policy is not one)."""
+        self.history: list[dict[str, Any]] = []
+        """One record per measured (verify) step: key, limit, predicted and measured peak."""
+        self.loaded_policy = False
+        self._unplannable: dict[str, str] = {}
+        """Step keys that run replay-only for good, with the reason (warned once)."""
+        self._profile_failures: dict[str, int] = {}
+        self._step = _StepState()
+        self._trace: StepTrace | None = None
+        self._trace_purpose: str | None = None
+        """"profile" or "verify" while a step is traced."""
+        self._next_rid = 0
+        self._started = False
+        self._manual_steps = False
+        self._optimizers: list[weakref.ref] = []
+        self._optimizer_owns: dict[int, bool] = {}
+        self._overheads: tuple[float, float] | None = None
+        self._orders: dict[int, list[int]] = {}
+        """Per block, the unpack order of the last traced step."""
+        self._last_key: str | None = None
+        """Step key of the step that ended last (the best guess for the next one)."""
+        self._last_same = True
+        """Whether every rank ran that key."""
+        self._warned_no_boundary = False
         for s in handle.blocks:
             s.controller = self
-        if config.policy_path and Path(config.policy_path).exists():
+        self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    # Step boundaries ----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """An explicit step boundary (``handle.step()``): from now on, optimizer hooks are ignored."""
+        self._manual_steps = True
+        self._boundary()
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self._manual_steps:
+            return
+        owns = self._optimizer_owns.get(id(optimizer))
+        if owns is None:
+            mine = {id(p) for s in self.handle.blocks for p in s.module.parameters()}
+            owns = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+            self._optimizer_owns[id(optimizer)] = owns
+            if owns:
+                self._optimizers.append(weakref.ref(optimizer))
+        if owns:
+            self._boundary()
+
+    def _boundary(self) -> None:
+        if not self._step.forwards:  # a second optimizer of the same step, or no forward at all
+            return
+        self._end_step()
+        self._begin_step()
+
+    def close(self) -> None:
+        """Remove the optimizer hook and stop any trace (``handle.remove()``)."""
+        self._hook.remove()
+        self._stop_trace()
+
+    # Hooks called by BlockState -----------------------------------------------------------------
+
+    def before_forward(self, state, args: tuple = (), kwargs: dict | None = None) -> None:
+        if not self._started:
+            self._started = True
+            self._load_policy()
+            if self.config.warmup_steps == 0:  # profile this very step, from its first block on
+                self._start_profile([a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)])
+        step = self._step
+        step.forwards += 1
+        if step.forwards == 10_000 and not self._warned_no_boundary and self.steps == 0:
+            self._warned_no_boundary = True
+            log.warning("TapeSAC planned mode: 10000 block forwards and no step boundary yet. Steps "
+                        "end at optimizer.step() of an optimizer over the blocks' parameters, or "
+                        "at handle.step(); call handle.step() once per step if you step otherwise")
+        ik = input_key(args, kwargs or {})
+        if not step.recordings:
+            step.active = self._choose(state.index, ik)
+        entry = None
+        active = step.active
+        if self.phase is not Phase.PROFILE and active is not None and active.input_keys.get(state.index) == ik:
+            entry = active.policy.blocks.get(state.index)
+        elif active is not None:
+            step.off_plan = True
+        state.use_policy(entry, active.policy.predicted_peak_bytes if entry is not None else None)
+        rid = self._next_rid
+        self._next_rid += 1
+        state.recording_id = rid
+        step.recordings.append(_Recording(rid, state.index, ik))
+        if self._trace is not None:
+            self._trace.forward_start(rid, state.index)
+
+    def after_forward(self, state, replayer) -> None:
+        rid = state.recording_id
+        trace = self._trace
+        if trace is not None:
+            trace.forward_end(rid, state.index)
+            if replayer is not None:  # None: a pass-through block (plain autograd)
+                b = state.index
+                replayer.on_unpack = lambda vid: trace.unpack(rid, b, vid)
+                weakref.finalize(replayer, trace.released, rid)
+        if self.phase is Phase.PROFILE and replayer is not None:
+            self._step.tapes.append((state.index, state.last_tape))
+
+    def policy_mismatch(self, state, signature: str) -> bool:
+        """A recording's tape does not fit its plan: it runs replay-only (the block drops what it
+        would keep) and the step is marked; the plan is dropped on every rank at the step's end."""
+        self._step.mismatch = True
+        return True
+
+    # Choosing a plan ----------------------------------------------------------------------------
+
+    def _choose(self, block: int, ik: str) -> StepPlan | None:
+        """The plan for a step whose first recording is ``block`` on inputs ``ik``."""
+        for entry in reversed(list(self.plans.values())):
+            if entry.input_keys.get(block) == ik:
+                return entry
+        return None
+
+    # The end of a step --------------------------------------------------------------------------
+
+    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool]:
+        """(every rank ran this key, some rank's tape mismatched its plan, some rank failed its
+        profile, some rank ran off its plan): one all-reduce, so every rank decides alike."""
+        step = self._step
+        flags = [step.mismatch, failed, step.off_plan]
+        if not tdist.active(self.group):
+            return (True, *flags)
+        import torch.distributed as dist
+
+        h = int(key, 16) >> 2
+        dev = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([h, -h, *[int(f) for f in flags]], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        v = t.tolist()
+        return (v[0] == -v[1], bool(v[2]), bool(v[3]), bool(v[4]))
+
+    def _end_step(self) -> None:
+        step = self._step
+        key = step_key(step.recordings)
+        purpose = self._trace_purpose
+        memory = self._finish_trace()
+        profile_error = self._check_profile(step) if purpose == "profile" else None
+        same, mismatch, failed, off_plan = self._agree(key, profile_error is not None)
+        self.steps += 1
+        self._last_key, self._last_same = key, same
+        active = step.active
+        if mismatch and active is not None and active.key in self.plans:
+            log.warning("TapeSAC: a block's tape differs from the one its plan was made for (the "
+                        "program or a saved policy changed); dropping the plan and profiling again")
+            del self.plans[active.key]
+            active = None
+        if purpose == "profile":
+            if not same:
+                raise PolicyError(
+                    "TapeSAC: ranks ran different steps (block input shapes differ across ranks) "
+                    "during profiling; every rank must run the same shapes to share one plan")
+            if failed:
+                self._profile_failed(key, profile_error or "another rank's profile failed")
+            elif memory is not None and key not in self.plans:
+                self._plan_profiled(key, step, memory)
+            self.phase = Phase.PLANNED
+        elif (purpose == "verify" and memory is not None and same and not off_plan and active is not None
+              and active.key == key and not active.verified):
+            self._verify(active, memory)
+
+    def _begin_step(self) -> None:
+        self._step = _StepState()
+        if self.phase is Phase.WARMUP and self.steps >= self.config.warmup_steps:
+            self.phase = Phase.PLANNED
+        if self.phase is Phase.WARMUP:
+            return
+        # The key of the step just ended is the best guess for the next one.
+        last_key = self._last_key
+        if (last_key is not None and last_key not in self.plans and last_key not in self._unplannable
+                and self._last_same):
+            if len(self.plans) >= self.config.max_plans:
+                self._give_up(last_key, f"already {len(self.plans)} plans (max_plans)")
+            else:
+                self._start_profile()
+                return
+        if self.config.verify and any(not e.verified for e in self.plans.values()):
+            self._start_trace("verify")
+
+    def _start_profile(self, inputs: Iterable[torch.Tensor] = ()) -> None:
+        self.phase = Phase.PROFILE
+        timer = OpTimer(self.config.repeats, self.device.type)
+        for s in self.handle.blocks:
+            s.timer = timer
+        self._start_trace("profile", inputs)
+
+    # Profiling and planning ---------------------------------------------------------------------
+
+    def _check_profile(self, step: _StepState) -> str | None:
+        """Why this rank's profiled step cannot be planned, or None."""
+        if not step.tapes:
+            return "no block was recorded"
+        sigs: dict[int, str] = {}
+        keys: dict[int, str] = {}
+        for r in step.recordings:
+            if keys.setdefault(r.block, r.input_key) != r.input_key:
+                return f"block {r.block} ran on different input shapes within one step"
+        for b, tape in step.tapes:
+            if sigs.setdefault(b, tape.signature()) != sigs[b]:
+                return f"block {b} recorded different programs within one step"
+        return None
+
+    def _profile_failed(self, key: str, why: str) -> None:
+        n = self._profile_failures.get(key, 0) + 1
+        self._profile_failures[key] = n
+        if n >= self.config.max_profile_failures:
+            self._give_up(key, f"profiling failed {n} times ({why})")
+        else:
+            log.warning("TapeSAC: profile discarded (%s); trying again", why)
+
+    def _give_up(self, key: str, why: str) -> None:
+        if key not in self._unplannable:
+            self._unplannable[key] = why
+            log.warning("TapeSAC: steps with these input shapes run replay-only: %s", why)
+
+    def _plan_profiled(self, key: str, step: _StepState, memory: StepMemory) -> None:
+        group = self.group
+        by_block: dict[int, list[Any]] = {}
+        for b, tape in step.tapes:
+            by_block.setdefault(b, []).append(tape)
+        signatures = {b: tapes[0].signature() for b, tapes in by_block.items()}
+        tdist.check_signatures(signatures, group)
+        merged = {b: merge_profiles(tapes) for b, tapes in by_block.items()}
+        times = {b: m[0] for b, m in merged.items()}
+        sizes = {b: m[1] for b, m in merged.items()}
+        try:
+            times, sizes, memory = tdist.reduce_profile(times, sizes, memory, self.config.timing_reduction, group)
+        except ValueError as e:  # every rank gathered the same traces, so every rank lands here
+            self._profile_failed(key, str(e))
+            return
+        orders = self._orders
+        graphs = {b: block_graph(tapes[0], times[b], orders.get(b), sizes[b]) for b, tapes in by_block.items()}
+        if self._overheads is None:
+            # TapeSAC's own costs belong in the plan: each replayed op's bookkeeping, and recording
+            # a block at all (saved when a block keeps everything and runs as plain autograd).
+            self._overheads = tdist.broadcast(calibrate_overheads(self.device), group)
+        record_s, replay_s = self._overheads
+        for b, g in graphs.items():
+            g.op_overhead_s = replay_s
+            g.record_overhead_s = record_s * len(by_block[b][0].ops)
+        input_keys = {r.block: r.input_key for r in step.recordings}
+        entry = StepPlan(key, input_keys, Policy.replay_only(signatures), graphs=graphs, memory=memory,
+                         limit_bytes=float(self.config.memory_limit_bytes))
+        self._solve(entry, entry.limit_bytes, first=True)
+        self.plans[key] = entry
+
+    def _solve(self, entry: StepPlan, limit: float, first: bool) -> None:
+        """Rank 0 plans ``entry`` for ``limit`` and broadcasts; every rank applies the same."""
+        cfg = self.config
+        payload: Any = None
+        if tdist.rank(self.group) == 0:
             try:
-                policy = Policy.load(config.policy_path)
-                self._check_loaded(policy)
-                handle.set_policy(policy)
-                self.phase = "verify" if config.verify else "planned"
-                self.loaded_policy = True
-                log.info("TapeSAC: loaded policy %s (checked against the first recorded tapes)",
-                         config.policy_path)
-            except PolicyError as e:
-                log.warning("TapeSAC: ignoring policy file %s (%s); profiling instead", config.policy_path, e)
+                plan = make_plan(entry.graphs, entry.memory, limit,
+                                 points_per_block=cfg.points_per_block, frontier_points=cfg.frontier_points,
+                                 solver_time_limit_s=cfg.solver_time_limit_s, margin=cfg.safety_margin,
+                                 meta={"limit_requested_bytes": cfg.memory_limit_bytes, "step_key": entry.key,
+                                       "input_keys": {str(b): k for b, k in entry.input_keys.items()},
+                                       **cfg.policy_meta})
+                payload = ("plan", plan)
+            except PlanError as e:
+                payload = ("error", str(e))
+        kind, value = tdist.broadcast(payload, self.group)
+        if kind == "error":
+            if first:
+                self._stop_trace()
+                raise PlanError(value)
+            log.warning("TapeSAC: no plan fits the tightened limit %s (%s); this step shape runs "
+                        "replay-only, the smallest peak there is", fmt_bytes(limit), value)
+            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
+            entry.plan, entry.verified = None, False
+            return
+        self.plan = entry.plan = value
+        entry.policy = value.policy
+        entry.limit_bytes = limit
+        entry.verified = not cfg.verify
+        a = value.allocation
+        kept = sum(p.memory for p in a.points.values())
+        log.info(
+            "TapeSAC plan: limit %s, predicted peak %s (smallest possible %s), keeps %s, recompute "
+            "%.1f ms/step, %d kind(s) of block, %s, solved in %.2f s",
+            fmt_bytes(limit), fmt_bytes(a.predicted_peak_bytes), fmt_bytes(value.smallest_peak_bytes),
+            fmt_bytes(kept), a.recompute_s * 1e3, len(value.block_frontiers), a.status, value.solve_s)
+        if tdist.rank(self.group) == 0:
+            save_plan(value, entry.graphs, policy_path=cfg.policy_path, frontier_path=cfg.frontier_path,
+                      graph_dir=cfg.graph_dir)
+
+    def _verify(self, entry: StepPlan, memory: StepMemory) -> None:
+        measured = memory.baseline_peak()
+        if tdist.active(self.group):
+            measured = max(tdist.all_gather(measured, self.group))
+        predicted = entry.policy.predicted_peak_bytes
+        limit = self.config.memory_limit_bytes
+        self.history.append({"step": self.steps, "step_key": entry.key, "limit_bytes": limit,
+                             "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
+                             "measured_peak_bytes": measured})
+        log.info("TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
+                 fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
+        entry.verified = True
+        if measured <= limit:
+            return
+        if entry.graphs is None:  # a loaded policy overshoots: profile and plan afresh
+            log.warning("TapeSAC: the loaded policy exceeds the limit; profiling again")
+            del self.plans[entry.key]
+            return
+        entry.replans += 1
+        if entry.replans > self.config.max_replans:
+            log.warning("TapeSAC: still over the limit after %d re-plans; this step shape runs replay-only",
+                        self.config.max_replans)
+            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
+            return
+        overshoot = measured - (predicted if predicted is not None else measured)
+        tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit
+        log.warning("TapeSAC: measured peak over the limit by %s; re-planning for %s",
+                    fmt_bytes(measured - limit), fmt_bytes(tighter))
+        self._solve(entry, tighter, first=False)
+
+    # Saved policies -----------------------------------------------------------------------------
+
+    def _load_policy(self) -> None:
+        """Rank 0 reads the policy file and decides; every rank applies the same (one broadcast)."""
+        path = self.config.policy_path
+        if not path:
+            return
+        payload: Any = (None, None)
+        if tdist.rank(self.group) == 0:
+            import os
+
+            if os.path.exists(path):
+                try:
+                    policy = Policy.load(path)
+                    self._check_loaded(policy)
+                    payload = ("policy", policy.to_json())
+                except PolicyError as e:
+                    payload = ("ignored", str(e))
+        kind, value = tdist.broadcast(payload, self.group)
+        if kind == "ignored":
+            log.warning("TapeSAC: ignoring policy file %s (%s); profiling instead", path, value)
+        elif kind == "policy":
+            policy = Policy.from_json(value)
+            keys = policy.meta["input_keys"]
+            entry = StepPlan(policy.meta["step_key"], {int(b): k for b, k in keys.items()}, policy,
+                             limit_bytes=float(policy.limit_bytes or self.config.memory_limit_bytes),
+                             verified=not self.config.verify)
+            self.plans[entry.key] = entry
+            self.loaded_policy = True
+            log.info("TapeSAC: loaded policy %s (checked against the recorded tapes)", path)
 
     def _check_loaded(self, policy: Policy) -> None:
         requested = policy.meta.get("limit_requested_bytes", policy.limit_bytes)
@@ -147,216 +601,42 @@ class AutoPlanner:
         for key, value in self.config.policy_meta.items():
             if policy.meta.get(key) != value:
                 raise PolicyError(f"it was planned for {key}={policy.meta.get(key)!r}, not {value!r}")
+        keys = policy.meta.get("input_keys")
+        if not isinstance(policy.meta.get("step_key"), str) or not isinstance(keys, dict) or any(
+                not str(b).isdigit() or not isinstance(k, str) for b, k in keys.items()):
+            raise PolicyError("it does not say which step shapes it was made for (an older TapeSAC?)")
+        if {int(b) for b in keys} != set(policy.blocks):
+            raise PolicyError("its blocks and step shapes do not match")
+        if not set(policy.blocks) <= {s.index for s in self.handle.blocks}:
+            raise PolicyError(f"it covers blocks {sorted(policy.blocks)}, this model has "
+                              f"{len(self.handle.blocks)}")
 
-    # Hooks called by BlockState ------------------------------------------------------------------
+    # Tracing ------------------------------------------------------------------------------------
 
-    def before_forward(self, state, args: tuple = (), kwargs: dict | None = None) -> None:
-        if state is self.handle.blocks[0]:
-            self._step_boundary(args, kwargs or {})
-        if self._trace is not None:
-            self._trace.boundary("fwd_start", state.index)
-
-    def after_forward(self, state, replayer) -> None:
-        trace = self._trace
-        if trace is not None:
-            trace.boundary("fwd_end", state.index)
-            if replayer is not None:  # None: a pass-through block (plain autograd)
-                replayer.on_first_unpack = lambda r, b=state.index: trace.boundary("bwd_start", b, r)
-
-    def policy_mismatch(self, state, signature: str) -> bool:
-        """A loaded or planned policy does not fit the tape: drop it and profile again."""
-        log.warning("TapeSAC: block %d's tape (signature %s) differs from the policy's; the policy is "
-                    "dropped and the run re-profiles (shapes or model changed)", state.index, signature)
-        self._reprofile()
-        return True
-
-    def _reprofile(self) -> None:
-        self.handle.set_policy(None)
-        self._abort_trace()
-        self.phase = "warmup"
-        self.step = 0
-        self._profiled = []
-
-    def close(self) -> None:
-        self._abort_trace()
-
-    # Step boundaries ----------------------------------------------------------------------------
-
-    def _abort_trace(self) -> None:
-        if self._trace is not None and self._trace.started:
-            self._trace.meter.stop()
-        self._trace = None
-        for s in self.handle.blocks:
-            s.timer = None
-
-    def _step_boundary(self, args: tuple = (), kwargs: dict | None = None) -> None:
-        if self._trace is not None:
-            self._trace_orders = self._trace.unpack_orders
-            memory = self._trace.finish()
-            self._trace = None
-            if self.phase == "profile":
-                self._orders = dict(self._trace_orders)
-                self._profiled.append(({s.index: s.last_tape for s in self.handle.blocks}, memory))
-                for s in self.handle.blocks:
-                    s.timer = None
-                if len(self._profiled) >= self.config.profile_steps:
-                    self._make_plan()
-            elif self.phase == "verify":
-                self._verify(memory)
-        self.step += 1
-        if self.phase == "warmup" and self.step > self.config.warmup_steps:
-            self.phase = "profile"
-        # The first block's inputs (the embeddings) were made this step before any block ran.
-        inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        if self.phase == "profile":
-            timer = OpTimer(self.config.repeats, self.device.type)
-            for s in self.handle.blocks:
-                s.timer = timer
-            self._start_trace(inputs)
-        elif self.phase == "verify" and self.step > self.config.warmup_steps:
-            # A loaded policy is applied from the first step, but measured only once warm
-            # (the first steps allocate optimizer state and caches).
-            self._start_trace(inputs)
-
-    def _start_trace(self, inputs: list[torch.Tensor] = ()) -> None:
-        track = []
+    def _start_trace(self, purpose: str, inputs: Iterable[torch.Tensor] = ()) -> None:
+        track: list[torch.Tensor] = []
         if self.device.type != "cuda":
-            track = list(_tensors_of([s.module for s in self.handle.blocks]))
+            track = list(_tensors_of([s.module for s in self.handle.blocks])) + list(_tensors_of(list(inputs)))
             track += list(_tensors_of(self.config.track))
-            track += list(_tensors_of(list(inputs)))
-        self._trace = MemoryTrace(meter_for(self.device, track))
+            track += list(_tensors_of([o for o in (r() for r in self._optimizers) if o is not None]))
+        self._trace = StepTrace(meter_for(self.device, track))
+        self._trace_purpose = purpose
         self._trace.start()
 
-    # Planning -----------------------------------------------------------------------------------
+    def _finish_trace(self) -> StepMemory | None:
+        trace, self._trace = self._trace, None
+        self._trace_purpose = None
+        if trace is None:
+            return None
+        self._orders = trace.unpack_orders()
+        for s in self.handle.blocks:
+            s.timer = None
+        return trace.finish()
 
-    def _make_plan(self) -> None:
-        group = self.config.process_group
-        last_tapes = self._profiled[-1][0]
-        signatures = {b: t.signature() for b, t in last_tapes.items()}
-        tdist.check_signatures(signatures, group)
-        for tapes, _m in self._profiled:
-            if {b: t.signature() for b, t in tapes.items()} != signatures:
-                raise PlanError("TapeSAC: block tapes changed between profiling steps (dynamic "
-                                "shapes?); planned mode needs the same tapes every step")
-        merged = {b: merge_profiles([tapes[b] for tapes, _m in self._profiled]) for b in last_tapes}
-        times = {b: m[0] for b, m in merged.items()}
-        sizes = {b: m[1] for b, m in merged.items()}
-        memory = StepMemory.merge_max([m for _t, m in self._profiled])
-        times, sizes, memory = tdist.reduce_profile(times, sizes, memory, self.config.timing_reduction, group)
-        self._graphs = {b: block_graph(t, times[b], self._orders.get(b), sizes[b])
-                        for b, t in last_tapes.items()}
-        # TapeSAC's own costs belong in the plan: each replayed op's bookkeeping, and recording
-        # a block at all (saved when a block keeps everything and runs as plain autograd).
-        record_s, replay_s = tdist.broadcast(calibrate_overheads(self.device), group)
-        for b, g in self._graphs.items():
-            g.op_overhead_s = replay_s
-            g.record_overhead_s = record_s * len(last_tapes[b].ops)
-        self._memory = memory
-        self._replan(self._limit)
-
-    def _replan(self, limit: float) -> None:
-        group = self.config.process_group
-        payload: Any = None
-        if tdist.rank(group) == 0:
-            try:
-                plan = make_plan(self._graphs, self._memory, limit,
-                                 points_per_block=self.config.points_per_block,
-                                 frontier_points=self.config.frontier_points,
-                                 solver_time_limit_s=self.config.solver_time_limit_s,
-                                 margin=self.config.safety_margin,
-                                 meta={"limit_requested_bytes": self.config.memory_limit_bytes,
-                                       **self.config.policy_meta})
-                payload = ("plan", plan)
-            except PlanError as e:
-                payload = ("error", str(e))
-        kind, value = tdist.broadcast(payload, group)
-        if kind == "error":
-            self._abort_trace()
-            raise PlanError(value)
-        self.plan = value
-        self.handle.set_policy(value.policy)
-        self.phase = "verify" if self.config.verify else "planned"
-        a = value.allocation
-        kept = sum(p.memory for p in a.points.values())
-        log.info(
-            "TapeSAC plan: limit %s, predicted peak %s (smallest possible %s), keeps %s, recompute "
-            "%.1f ms/step, %d kind(s) of block, %s, solved in %.2f s",
-            fmt_bytes(limit), fmt_bytes(a.predicted_peak_bytes), fmt_bytes(value.smallest_peak_bytes),
-            fmt_bytes(kept), a.recompute_s * 1e3, len(value.block_frontiers), a.status, value.solve_s)
-        if tdist.rank(group) == 0:
-            self._save(value)
-
-    def _save(self, plan: Plan) -> None:
-        if self.config.policy_path:
-            plan.policy.save(self.config.policy_path)
-        if self.config.graph_dir:
-            folder = Path(self.config.graph_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            written: set[str] = set()
-            for b, g in sorted(self._graphs.items()):
-                if g.signature not in written:
-                    written.add(g.signature)
-                    (folder / f"block{b}_{g.signature}.json").write_text(json.dumps(g.to_json()))
-        if self.config.frontier_path:
-            path = Path(self.config.frontier_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = plan.frontier_json()
-            path.write_text(json.dumps(data, indent=1))
-            _plot_in_thread(data, path.with_suffix(".png"))
-
-    def _verify(self, memory: StepMemory) -> None:
-        measured = memory.baseline_peak()
-        group = self.config.process_group
-        if tdist.active(group):
-            measured = max(tdist.all_gather(measured, group))
-        predicted = (self.plan.allocation.predicted_peak_bytes if self.plan else
-                     self.handle.blocks[0].policy_predicted_peak)
-        limit = self.config.memory_limit_bytes
-        self.history.append({"limit_bytes": limit, "planned_limit_bytes": self._limit,
-                             "predicted_peak_bytes": predicted, "measured_peak_bytes": measured})
-        log.info("TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
-                 fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
-        self.phase = "planned"
-        if measured <= limit:
-            return
-        if not hasattr(self, "_graphs"):  # a loaded policy overshoots: profile and plan afresh
-            log.warning("TapeSAC: the loaded policy exceeds the limit; re-profiling")
-            self._reprofile()
-            return
-        self._replans += 1
-        if self._replans > self.config.max_replans:
-            log.warning("TapeSAC: still over the limit after %d re-plans; using replay-only",
-                        self.config.max_replans)
-            self.handle.set_policy(None)
-            return
-        overshoot = measured - (predicted if predicted is not None else measured)
-        self._limit = self._limit - max(overshoot, measured - limit) - 0.01 * limit
-        log.warning("TapeSAC: measured peak over the limit by %s; re-planning for %s",
-                    fmt_bytes(measured - limit), fmt_bytes(self._limit))
-        self._replan(self._limit)
-
-
-def _plot_in_thread(data: dict, path: Path) -> None:
-    """Draw the frontier PNG on a short-lived thread.
-
-    Importing matplotlib inside a training step would pin that step's call stack, and with it
-    the model's activations, in tracebacks its import machinery keeps; on a thread of its own
-    only that thread's frames are involved. A plot must never stop training.
-    """
-    import importlib.util
-    import threading
-
-    if importlib.util.find_spec("matplotlib") is None:
-        return
-
-    def draw() -> None:
-        try:
-            from .plot import plot_frontier
-
-            plot_frontier(data, path)
-        except Exception as e:
-            log.warning("TapeSAC: could not draw the frontier plot: %s", e)
-
-    t = threading.Thread(target=draw, name="tapesac-plot")
-    t.start()
-    t.join()
+    def _stop_trace(self) -> None:
+        if self._trace is not None:
+            self._trace.abort()
+        self._trace = None
+        self._trace_purpose = None
+        for s in self.handle.blocks:
+            s.timer = None

@@ -46,6 +46,10 @@ class BlockState:
         """The policy keeps everything this block's backward reads: plain autograd, no recording."""
         self._verified_key: int | None = None
         """``Tape.fast_key`` of a tape whose signature matched ``expected_signature``."""
+        self._policy_entry: Any = None
+        """The BlockPolicy in use (its keep set, signature and pass-through flag are copied above)."""
+        self.recording_id = -1
+        """Planned mode: id of the current recording (the step model follows recordings)."""
         self.timer = None
         """An OpTimer while profiling: the next forwards time every op."""
         self.controller = None
@@ -59,6 +63,21 @@ class BlockState:
         self.last_recorder: weakref.ref | None = None
         self.last_tape = None
         """The Tape of the last recorded forward (plain data, no tensors)."""
+
+    def use_policy(self, entry: Any, predicted_peak: float | None = None) -> None:
+        """Keep what ``entry`` (a :class:`~tapesac.policy.BlockPolicy`, or None for replay-only)
+        says from the next forward on. Cheap when the entry is the one in use."""
+        if entry is self._policy_entry:
+            return
+        self._policy_entry = entry
+        self._verified_key = None
+        if entry is None:
+            self.keep, self.expected_signature, self.passthrough = None, None, False
+        else:
+            self.keep = frozenset(entry.keep)
+            self.expected_signature = entry.signature
+            self.passthrough = entry.passthrough
+        self.policy_predicted_peak = predicted_peak
 
     @property
     def module(self) -> nn.Module:
@@ -139,8 +158,9 @@ class BlockState:
             sig = self.expected_signature if fast == self._verified_key else rec.tape.signature()
             if sig == self.expected_signature:
                 self._verified_key = fast
-            elif not (
-                    self.controller is not None and self.controller.policy_mismatch(self, sig)):
+            elif self.controller is not None and self.controller.policy_mismatch(self, sig):
+                _forget_keeps(rec)  # this recording runs replay-only: no memory the plan did not count
+            else:
                 raise PolicyError(
                     f"TapeSAC block {self.index}: the recorded tape (signature {sig}, "
                     f"{len(rec.tape.ops)} ops) is not the one the policy was made for (signature "
@@ -162,3 +182,14 @@ class BlockState:
         self.last_recorder = weakref.ref(rec)
         self.last_tape = rec.tape
         return replayer
+
+
+def _forget_keeps(rec: Recorder) -> None:
+    """Drop the holds a keep set added, before the replayer is built: what is left is exactly
+    what replay-only holds (externals, snapshots, outputs of keep-only ops, free views)."""
+    from .tape import PRODUCED
+
+    values, ops = rec.tape.values, rec.tape.ops
+    for vid in [v for v in rec.held if values[v].kind == PRODUCED and not values[v].free
+                and ops[values[v].op].keep_only is None]:
+        del rec.held[vid]

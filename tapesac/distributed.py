@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .errors import PolicyError
-from .memory import StepMemory
+from .stepmodel import StepMemory
 
 REDUCTIONS: dict[str, Callable[[list[float]], float]] = {
     "max": max,

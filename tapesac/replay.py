@@ -107,12 +107,8 @@ class Replayer:
         self.cache.update(self.kept)
         self._reads_left = self._reads0
         self._pass_started = False
-        self.on_first_unpack = None
-        """Called once, at the first unpack (the block's backward starts): memory tracing."""
         self.on_unpack = None
-        """Memory tracing: called at the start of every unpack of the first pass."""
-        self.unpack_log: list[int] | None = None
-        """Memory tracing: the values unpacked, in order (first pass)."""
+        """Memory tracing: called with the value's id at the start of every unpack."""
 
     # Accounting -------------------------------------------------------------------------------
 
@@ -141,9 +137,6 @@ class Replayer:
 
     def _new_pass(self) -> None:
         """Every saved value was unpacked once (or this is the first unpack): reset the counts."""
-        if not self._pass_started and self.on_first_unpack is not None:
-            self.on_first_unpack(self)
-            self.on_first_unpack = None
         self.rc = dict(self._rc0)
         self._reads_left = self._reads0
         self._pass_started = True
@@ -162,13 +155,9 @@ class Replayer:
 
     def unpack(self, vid: int) -> Tensor:
         if not self._pass_started or self._reads_left <= 0:
-            first = not self._pass_started
             self._new_pass()
-            if not first:
-                self.on_unpack = self.unpack_log = None
         if self.on_unpack is not None:
-            self.on_unpack(self)
-            self.unpack_log.append(vid)
+            self.on_unpack(vid)
         t = self.cache.get(vid)
         if t is None:
             t = self._materialize(vid)

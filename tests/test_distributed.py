@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from tapesac import distributed as tdist
 from tapesac.errors import PolicyError
-from tapesac.memory import StepMemory, Window
+from tapesac.stepmodel import StepMemory, Window
 
 
 def _port() -> int:

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tapesac.memory import StepMemory, Window  # noqa: E402
+from tapesac.stepmodel import StepMemory, Window  # noqa: E402
 from tapesac.planner import make_plan  # noqa: E402
 from tapesac.planner.allocate import formula_deltas, global_frontier  # noqa: E402
 from tapesac.planner.graph import BlockGraph  # noqa: E402
@@ -60,7 +60,7 @@ def synthetic_memory(blocks: int, transient: float) -> StepMemory:
         windows.append(Window(f"forward of block {b}", base + 2e8, list(range(b + 1))))
         windows.append(Window(f"after forward of block {b}", base + 1e8, list(range(b + 1))))
     for b in reversed(range(blocks)):
-        windows.append(Window(f"backward of block {b}", base + 3e8 + transient, list(range(b + 1)), b))
+        windows.append(Window(f"backward of block {b}", base + 3e8 + transient, list(range(b)), b))
     return StepMemory(windows)
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     frontiers = {b: fronts[b % 2] for b in range(a.blocks)}
     memory = synthetic_memory(a.blocks, fronts[0][0].transient)
     t1 = time.perf_counter()
-    sweep = global_frontier(memory, frontiers, points=a.frontier_points, deltas=formula_deltas(frontiers))
+    sweep = global_frontier(memory, frontiers, points=a.frontier_points, deltas=formula_deltas(memory, frontiers))
     t_sweep = time.perf_counter() - t1
 
     lo, hi = sweep[0].predicted_peak_bytes, sweep[-1].predicted_peak_bytes

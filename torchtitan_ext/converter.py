@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tapesac
 from tapesac.autoplan import PlanConfig
@@ -115,7 +114,6 @@ class TapeSACConverter:
         self.cfg = validate(job_config, parallel_dims)
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
-        self.optimizers: list[torch.optim.Optimizer] = []
         self._model: nn.Module | None = None
         self._report_metrics()
         ACTIVE.append(self)
@@ -138,7 +136,6 @@ class TapeSACConverter:
         self._model = model
         dump = self.job_config.job.dump_folder
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        register_optimizer_step_post_hook(self._note_optimizer)
         plan = PlanConfig(
             memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
@@ -146,7 +143,7 @@ class TapeSACConverter:
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
             policy_path=_artifact(cfg.policy_file, dump, "policy.json"),
             frontier_path=_artifact(cfg.frontier_file, dump, "frontier.json"),
-            device=device, track=lambda: [model, *self.optimizers],
+            device=device, track=lambda: [model],
             policy_meta={"world_size": world, "model": f"{self.job_config.model.name}/"
                          f"{self.job_config.model.flavor}"},
         )
@@ -179,14 +176,6 @@ class TapeSACConverter:
 
         build_with_tapesac_metrics.__tapesac_original__ = build  # type: ignore[attr-defined]
         train.build_metrics_processor = build_with_tapesac_metrics
-
-    def _note_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Remember this model's optimizers (their state counts toward the CPU step peak)."""
-        if any(o is optimizer for o in self.optimizers) or self._model is None:
-            return
-        mine = {id(p) for p in self._model.parameters()}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            self.optimizers.append(optimizer)
 
     def metrics(self) -> dict[str, float]:
         """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B, console)."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
-from ..memory import StepMemory
+from ..stepmodel import StepMemory
 from ..policy import BlockPolicy, Policy
 from .allocate import Allocation, Deltas, allocate, formula_deltas, global_frontier, largest_useful_peak, smallest_peak
 from .graph import BlockGraph
@@ -92,31 +92,32 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
 
 def replay_deltas(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
                   block_frontiers: dict[str, list[Point]], memory: StepMemory) -> Deltas:
-    """How each frontier point changes its block's own peak in that block's backward window.
+    """How each frontier point changes the replaying block's own peak, per replay window.
 
     Per unpack interval k the measured replay-only peak M[k] splits into what replay held (the
     simulated replay-only bytes) and the rest; the point's simulated bytes replace the former:
     D = max_k max(M[k] - peak_ro[k] + peak_p[k], M[k] - after_ro[k] + after_p[k]) - window peak.
-    Exact for replay-only, conservative otherwise. Without a matching trace, kept bytes plus the
-    formula's transient change are used instead.
+    Exact for replay-only, conservative otherwise. Where the window's unpacks are not the graph's
+    order (a partial or second pass), kept bytes plus the formula's transient change are used.
     """
-    windows = {w.replay_block: w for w in memory.windows if w.replay_block is not None}
-    fallback = formula_deltas({b: block_frontiers[sig] for sig, bs in kinds.items() for b in bs})
-    deltas: Deltas = {}
-    for sig, blocks in kinds.items():
-        g = graphs[blocks[0]]
+    frontiers = {b: block_frontiers[sig] for sig, bs in kinds.items() for b in bs}
+    deltas = formula_deltas(memory, frontiers)
+    sims: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for wi, w in enumerate(memory.windows):
+        b = w.replay_block
+        if b not in graphs:
+            continue
+        g = graphs[b]
         order = g.unpack_order
-        points = block_frontiers[sig]
-        sims = [simulate_replay(g, p.kept, order) for p in points] if order else None
-        for b in blocks:
-            w = windows.get(b)
-            if sims is None or w is None or w.intervals is None or len(w.intervals) != len(order):
-                deltas[b] = fallback[b]
-                continue
-            m = np.asarray(w.intervals)
-            ro_peak, ro_after = sims[0]
-            deltas[b] = [float(max((m - ro_peak + pk).max(), (m - ro_after + af).max()) - w.peak_bytes)
-                         for pk, af in sims]
+        if not order or w.intervals is None or w.unpacks != list(order) or len(w.intervals) != len(order):
+            continue
+        sig = g.signature or f"block{b}"
+        if sig not in sims:
+            sims[sig] = [simulate_replay(g, p.kept, order) for p in frontiers[b]]
+        m = np.asarray(w.intervals)
+        ro_peak, ro_after = sims[sig][0]
+        deltas[wi] = [float(max((m - ro_peak + pk).max(), (m - ro_after + af).max()) - w.peak_bytes)
+                      for pk, af in sims[sig]]
     return deltas
 
 

@@ -3,10 +3,11 @@
 Each block b chooses a point p of its kind's frontier (kept bytes K, replay time R). For every
 window w of the step-peak model:
 
-    peak_w + sum_{b alive in w, b != r_w} K[b, p_b] + D[r_w, p_{r_w}] <= limit
+    peak_w + sum_{recordings r alive in w} K[b(r), p_b(r)] + D[w, p_{r_w}] <= limit
 
-where r_w is the block replaying in w and D[b, p] how much point p changes that block's own
-peak in its backward window (kept values included; from ``replay_deltas``). The objective is
+where a block recorded twice and alive twice counts twice, r_w is the block replaying in w and
+D[w, p] how much point p changes that block's own peak in that window (kept values included;
+from ``replay_deltas``). The objective is
 the total replay time. Identical blocks share one frontier; their choices may still differ
 (deeper blocks live shorter).
 """
@@ -21,7 +22,8 @@ import highspy
 import numpy as np
 
 from ..errors import PlanError
-from ..memory import StepMemory, fmt_bytes
+from ..memory import fmt_bytes
+from ..stepmodel import StepMemory
 from .milp import Point, Rows
 
 log = logging.getLogger("tapesac")
@@ -38,29 +40,42 @@ class Allocation:
 
 
 Deltas = dict[int, list[float]]
+"""Per replay window (its index in ``StepMemory.windows``): D[w, p] for each point p of the
+replaying block's frontier."""
 
 
-def formula_deltas(frontiers: dict[int, list[Point]]) -> Deltas:
-    """D[b, p] without a time-resolved trace: kept bytes plus the change in rebuilt read bytes,
+def formula_deltas(memory: StepMemory, frontiers: dict[int, list[Point]]) -> Deltas:
+    """D[w, p] without a time-resolved trace: kept bytes plus the change in rebuilt read bytes,
     assuming everything replay holds is alive at the window's peak."""
-    return {b: [p.memory + p.transient - pts[0].transient for p in pts] for b, pts in frontiers.items()}
+    per_block = {b: [p.memory + p.transient - pts[0].transient for p in pts] for b, pts in frontiers.items()}
+    return {i: per_block[w.replay_block] for i, w in enumerate(memory.windows) if w.replay_block in per_block}
+
+
+def _loads(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas
+           ) -> dict[int, list[tuple[int, int, list[float] | None]]]:
+    """Per block: the windows its choice shows up in, as (window, live recordings of the block
+    other than the replaying one, the window's deltas if the block replays there)."""
+    where: dict[int, list[tuple[int, int, list[float] | None]]] = {b: [] for b in frontiers}
+    for wi, w in enumerate(memory.windows):
+        counts: dict[int, int] = {}
+        for b in w.alive:
+            if b in frontiers:
+                counts[b] = counts.get(b, 0) + 1
+        rb = w.replay_block if w.replay_block in frontiers else None
+        for b in set(counts) | ({rb} if rb is not None else set()):
+            where[b].append((wi, counts.get(b, 0), deltas[wi] if b == rb else None))
+    return where
 
 
 def _coefficients(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas):
     cols: list[tuple[int, int]] = [(b, i) for b, pts in sorted(frontiers.items()) for i in range(len(pts))]
     col_of = {c: j for j, c in enumerate(cols)}
-    rows = []
-    for w in memory.windows:
-        coef: dict[int, float] = {}
-        rb = w.replay_block
-        for b in w.alive:
-            if b in frontiers and b != rb:
-                for i, p in enumerate(frontiers[b]):
-                    coef[col_of[(b, i)]] = p.memory
-        if rb is not None and rb in frontiers:
-            for i in range(len(frontiers[rb])):
-                coef[col_of[(rb, i)]] = deltas[rb][i]
-        rows.append((w.peak_bytes, coef))
+    rows: list[tuple[float, dict[int, float]]] = [(w.peak_bytes, {}) for w in memory.windows]
+    for b, places in _loads(memory, frontiers, deltas).items():
+        for wi, count, d in places:
+            coef = rows[wi][1]
+            for i, p in enumerate(frontiers[b]):
+                coef[col_of[(b, i)]] = count * p.memory + (d[i] if d is not None else 0.0)
     return cols, rows
 
 
@@ -68,7 +83,9 @@ def predicted_peak(memory: StepMemory, choice: dict[int, int], frontiers: dict[i
                    deltas: Deltas) -> float:
     """Predicted step peak when block b takes point ``choice[b]`` of its frontier."""
     kept = {b: frontiers[b][i].memory for b, i in choice.items()}
-    return memory.predict(kept, {b: deltas[b][i] for b, i in choice.items()})
+    replay = {wi: d[choice[memory.windows[wi].replay_block]] for wi, d in deltas.items()
+              if memory.windows[wi].replay_block in choice}
+    return memory.predict(kept, replay)
 
 
 def smallest_peak(memory: StepMemory, frontiers: dict[int, list[Point]], deltas: Deltas) -> float:
@@ -91,26 +108,17 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
     windows = memory.windows
     choice = dict(start) if start else {b: 0 for b in frontiers}
     load = [w.peak_bytes for w in windows]
-    alive_in: dict[int, list[int]] = {b: [] for b in frontiers}
-    replay_in: dict[int, list[int]] = {b: [] for b in frontiers}
-    for wi, w in enumerate(windows):
-        for b in w.alive:
-            if b in alive_in and b != w.replay_block:
-                alive_in[b].append(wi)
-        if w.replay_block in replay_in:
-            replay_in[w.replay_block].append(wi)
+    places = _loads(memory, frontiers, deltas)
+
+    def cost(b: int, i: int, count: int, d: list[float] | None) -> float:
+        return count * frontiers[b][i].memory + (d[i] if d is not None else 0.0)
+
     for b, i in choice.items():
-        for wi in alive_in[b]:
-            load[wi] += frontiers[b][i].memory
-        for wi in replay_in[b]:
-            load[wi] += deltas[b][i]
+        for wi, count, d in places[b]:
+            load[wi] += cost(b, i, count, d)
 
-    def step(b: int, i: int, j: int) -> tuple[float, float]:
-        return frontiers[b][j].memory - frontiers[b][i].memory, deltas[b][j] - deltas[b][i]
-
-    def fits(b: int, dk: float, dd: float) -> bool:
-        return all(load[wi] + dk <= limit_bytes for wi in alive_in[b]) and all(
-            load[wi] + dd <= limit_bytes for wi in replay_in[b])
+    def fits(b: int, i: int, j: int) -> bool:
+        return all(load[wi] - cost(b, i, c, d) + cost(b, j, c, d) <= limit_bytes for wi, c, d in places[b])
 
     def best_next(b: int):
         i = choice[b]
@@ -118,12 +126,9 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
         best = None
         for j in range(i + 1, len(pts)):
             saved = pts[i].time - pts[j].time
-            if saved <= 0:
+            if saved <= 0 or not fits(b, i, j):
                 continue
-            dk, dd = step(b, i, j)
-            if not fits(b, dk, dd):
-                continue
-            rate = saved / max(dk, 1.0)
+            rate = saved / max(pts[j].memory - pts[i].memory, 1.0)
             if best is None or rate > best[0]:
                 best = (rate, j)
         return best
@@ -137,16 +142,13 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
         _r, b, i, j = heapq.heappop(heap)
         if choice[b] != i:
             continue
-        dk, dd = step(b, i, j)
-        if not fits(b, dk, dd):  # other upgrades used the room: look again
+        if not fits(b, i, j):  # other upgrades used the room: look again
             nxt = best_next(b)
             if nxt is not None:
                 heapq.heappush(heap, (-nxt[0], b, i, nxt[1]))
             continue
-        for wi in alive_in[b]:
-            load[wi] += dk
-        for wi in replay_in[b]:
-            load[wi] += dd
+        for wi, c, d in places[b]:
+            load[wi] += cost(b, j, c, d) - cost(b, i, c, d)
         choice[b] = j
         nxt = best_next(b)
         if nxt is not None:
@@ -166,7 +168,7 @@ def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes:
     for b, pts in frontiers.items():
         if not pts or any(q.memory < p.memory for p, q in zip(pts, pts[1:])):
             raise PlanError(f"block {b}: frontier must be non-empty and sorted by memory")
-    deltas = deltas if deltas is not None else formula_deltas(frontiers)
+    deltas = deltas if deltas is not None else formula_deltas(memory, frontiers)
     floor = smallest_peak(memory, frontiers, deltas)
     if floor > limit_bytes:
         raise PlanError(
@@ -239,7 +241,7 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
 def global_frontier(memory: StepMemory, frontiers: dict[int, list[Point]], points: int = 24,
                     time_limit_s: float = 0.0, deltas: Deltas | None = None) -> list[Allocation]:
     """Step-level frontier: allocations for limits spanning replay-only to keep-what-pays."""
-    deltas = deltas if deltas is not None else formula_deltas(frontiers)
+    deltas = deltas if deltas is not None else formula_deltas(memory, frontiers)
     lo = smallest_peak(memory, frontiers, deltas)
     hi = max(largest_useful_peak(memory, frontiers, deltas), lo)
     limits = [lo + (hi - lo) * i / max(points - 1, 1) for i in range(points)] if hi > lo else [lo]
