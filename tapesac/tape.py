@@ -223,6 +223,16 @@ class Tape:
         identity) and identical across processes.
         """
         h = hashlib.sha256()
+        for i, line in enumerate(self.signature_lines()):
+            h.update(f"{i}:{line}\n".encode())
+        return h.hexdigest()[:16]
+
+    def signature_lines(self) -> list[str]:
+        """What :meth:`signature` hashes, one readable line per op: ``name(args, kwargs)->dtypes``.
+
+        Produced values appear as ``%op.slot``, externals as ``$e<n>[shape]dtype`` numbered by
+        first use; comparing two tapes' lines shows the first op where they part.
+        """
         ext_index: dict[int, int] = {}
         values = self.values
 
@@ -233,10 +243,11 @@ class Tape:
             n = ext_index.setdefault(r.vid, len(ext_index))
             return f"$e{n}{list(v.shape)}{v.dtype}"
 
+        lines = []
         for i, op in enumerate(self.ops):
             outs = ",".join("-" if o is None else str(values[o].dtype) for o in op.outs)
-            h.update(f"{i}:{self.op_name(i)}{_canonical_args(op, ref)!r}->{outs}\n".encode())
-        return h.hexdigest()[:16]
+            lines.append(f"{self.op_name(i)}{_canonical_args(op, ref)!r}->{outs}")
+        return lines
 
 
 # Canonical form of recorded arguments, shared by Tape.signature and Tape.fast_key ------------------
