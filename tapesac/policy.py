@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -69,35 +72,173 @@ class Policy:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Policy":
-        if not isinstance(data, dict) or "blocks" not in data:
-            raise PolicyError("not a TapeSAC policy: no 'blocks' field")
-        version = data.get("version")
-        if version != POLICY_VERSION:
-            raise PolicyError(f"policy format version {version!r} is not supported (expected {POLICY_VERSION})")
+    def from_json(cls, data: Any, source: str = "policy") -> "Policy":
+        """The policy ``data`` (parsed JSON) describes; :class:`PolicyError` for anything else.
+
+        Every malformed input, whatever its shape, is a ``PolicyError`` whose message names
+        ``source`` and the first field that is wrong, so a caller can fall back to a fresh plan.
+        Unknown fields are ignored: a newer writer may add facts an older reader does not need.
+        """
         try:
-            blocks = {
-                int(i): BlockPolicy(b["signature"], [(int(p[0]), int(p[1])) for p in b["keep"]],
-                                    int(b.get("kept_bytes", 0)), float(b.get("recompute_s", 0.0)),
-                                    bool(b.get("passthrough", False)))
-                for i, b in data["blocks"].items()
-            }
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise PolicyError(f"malformed policy block entry: {e!r}") from None
-        return cls(blocks, data.get("limit_bytes"), data.get("predicted_peak_bytes"),
-                   data.get("predicted_recompute_s"), dict(data.get("meta") or {}))
+            return cls._parse(data)
+        except _Malformed as e:
+            raise PolicyError(f"{source} is not a usable TapeSAC policy: {e}") from None
+
+    @classmethod
+    def _parse(cls, data: Any) -> "Policy":
+        if not isinstance(data, dict):
+            raise _Malformed(f"the top level is {_kind(data)}, expected an object with 'version' and 'blocks'")
+        if "version" not in data:
+            raise _Malformed("no 'version' field")
+        version = data["version"]
+        if type(version) is not int or version != POLICY_VERSION:
+            raise _Malformed(f"format version {_short(version)} is not supported (expected {POLICY_VERSION})")
+        if "blocks" not in data:
+            raise _Malformed("no 'blocks' field")
+        raw_blocks = data["blocks"]
+        if not isinstance(raw_blocks, dict):
+            raise _Malformed(f"'blocks' is {_kind(raw_blocks)}, expected an object keyed by block index")
+        blocks: dict[int, BlockPolicy] = {}
+        for key, entry in raw_blocks.items():
+            index = _block_index(key)
+            if index in blocks:
+                raise _Malformed(f"block {index} appears twice in 'blocks'")
+            blocks[index] = _block(f"blocks[{_short(key)}]", entry)
+        meta = data.get("meta")
+        if meta is not None and not isinstance(meta, dict):
+            raise _Malformed(f"'meta' is {_kind(meta)}, expected an object")
+        return cls(blocks, _optional_count("limit_bytes", data.get("limit_bytes")),
+                   _optional_count("predicted_peak_bytes", data.get("predicted_peak_bytes")),
+                   _optional_seconds("predicted_recompute_s", data.get("predicted_recompute_s")),
+                   dict(meta or {}))
 
     def save(self, path: str | Path) -> None:
+        """Write the policy to ``path`` atomically: readers see the old file or the new one, whole.
+
+        The JSON goes to a uniquely named temporary file in the same directory (two writers never
+        share it), is flushed to disk, and then replaces ``path`` in one rename.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
+        text = json.dumps(self.to_json(), indent=1)
+        try:
+            mode = path.stat().st_mode & 0o777
+        except OSError:
+            mode = 0o644  # NamedTemporaryFile creates 0600; a policy is meant to be shared
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
+            try:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+                os.chmod(tmp, mode)
+            except BaseException:
+                f.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
 
     @classmethod
     def load(cls, path: str | Path) -> "Policy":
+        """The policy saved at ``path``. Raises only :class:`PolicyError`, naming the file and why."""
+        where = f"policy file {path}"
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise PolicyError(f"policy file {path} is not valid JSON: {e}") from None
-        return cls.from_json(data)
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise PolicyError(f"{where} cannot be read: {e.strerror or e}") from None
+        if not raw.strip():
+            raise PolicyError(f"{where} is empty (an interrupted write?)")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"{where} is not text (not UTF-8 at byte {e.start})") from None
+        except ValueError as e:  # JSONDecodeError, or a number too long to convert
+            raise PolicyError(f"{where} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise PolicyError(f"{where} is not valid JSON: nested too deeply") from None
+        return cls.from_json(data, source=where)
+
+
+class _Malformed(Exception):
+    """A field of a policy is wrong; :meth:`Policy.from_json` turns it into a PolicyError."""
+
+
+def _short(x: Any, limit: int = 60) -> str:
+    """``repr(x)`` cut to ``limit`` characters: a message must stay readable whatever the file holds."""
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _kind(x: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(x), type(x).__name__)
+
+
+def _block_index(key: Any) -> int:
+    # JSON keys are strings; a dict built in Python may use ints. Only the canonical spelling
+    # counts, so "3" and "03" cannot both name block 3.
+    if type(key) is int and key >= 0:
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
+        return int(key)
+    raise _Malformed(f"block key {_short(key)} is not a non-negative integer")
+
+
+def _block(where: str, entry: Any) -> BlockPolicy:
+    if not isinstance(entry, dict):
+        raise _Malformed(f"{where} is {_kind(entry)}, expected an object")
+    if not isinstance(entry.get("signature"), str):
+        raise _Malformed(f"{where}.signature is missing or not a string")
+    keep = entry.get("keep")
+    if not isinstance(keep, list):
+        raise _Malformed(f"{where}.keep is missing or not a list")
+    positions = []
+    for i, p in enumerate(keep):
+        if not (isinstance(p, (list, tuple)) and len(p) == 2 and all(type(x) is int and x >= 0 for x in p)):
+            raise _Malformed(f"{where}.keep[{i}] = {_short(p)} is not an [op index, slot] pair of non-negative integers")
+        positions.append((p[0], p[1]))
+    passthrough = entry.get("passthrough", False)
+    if type(passthrough) is not bool:
+        raise _Malformed(f"{where}.passthrough = {_short(passthrough)} is not true or false")
+    kept_bytes = _optional_count(f"{where}.kept_bytes", entry.get("kept_bytes", 0))
+    recompute_s = _optional_seconds(f"{where}.recompute_s", entry.get("recompute_s", 0.0))
+    return BlockPolicy(entry["signature"], positions, kept_bytes or 0,
+                       0.0 if recompute_s is None else recompute_s, passthrough)
+
+
+def _optional_count(where: str, x: Any) -> int | None:
+    if x is None:
+        return None
+    if type(x) is int and x >= 0:
+        return x
+    if type(x) is float and x.is_integer() and x >= 0:
+        return int(x)
+    raise _Malformed(f"{where} = {_short(x)} is not a non-negative integer")
+
+
+def _optional_seconds(where: str, x: Any) -> float | None:
+    if x is None:
+        return None
+    if type(x) in (int, float) and math.isfinite(x) and x >= 0:
+        return float(x)
+    raise _Malformed(f"{where} = {_short(x)} is not a finite non-negative number of seconds")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable; not every platform can open a directory, so best effort."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

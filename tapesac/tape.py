@@ -9,10 +9,13 @@ The tape holds no tensors. The recorder keeps the few tensors backward needs alo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any, Iterable
 
 import torch
+
+from .ops import _COLLECTIVE_NAMESPACES as COLLECTIVE_NAMESPACES
 
 # Value kinds.
 EXTERNAL = 0
@@ -167,51 +170,218 @@ class Tape:
         return str(f) if hasattr(f, "_schema") else getattr(f, "__name__", repr(f))
 
     def fast_key(self) -> int:
-        """An in-process key that changes whenever :meth:`signature` may: ops, wiring, inputs.
+        """An in-process key that changes whenever :meth:`signature` may.
 
-        Cheap (built-in hashing, no strings), so a block can check every step that its tape is
-        still the one whose signature was verified; not stable across processes.
+        It hashes everything the signature encodes, with value ids in place of positions (the
+        ids of every op's values fix the positions), the shapes of all non-produced values, and
+        device indices and group names as they are (constant within a process): stricter than
+        the signature, never looser. Cheap (built-in hashing of a flat list, no strings), so a
+        block can check every step that its tape is still the one whose signature was verified;
+        not stable across processes.
         """
-        return hash((
-            tuple((op.func, op.deps, len(op.outs)) for op in self.ops),
-            tuple((v.vid, v.shape, v.dtype) for v in self.values if v.kind != PRODUCED),
-        ))
+        values = self.values
+        key: list = []
+        push = key.append
+        for op in self.ops:
+            push(op.func)
+            _push_flat(op.args, push)
+            if op.kwargs:
+                push(_KWARGS)
+                for k, a in sorted(op.kwargs.items()):
+                    push(k)
+                    _push_flat((a,), push)
+            push(_OUTS)
+            for o in op.outs:
+                push(o)
+                push(None if o is None else values[o].dtype)
+        key.extend([(v.vid, v.kind, v.shape, v.dtype) for v in values if v.kind != PRODUCED])
+        return hash(tuple(key))
 
     def signature(self) -> str:
-        """A stable hash of the tape's structure: which ops ran on what, and on which inputs.
+        """A stable hash of the program the block ran: which ops ran on what, and on which inputs.
 
-        It covers op overloads, argument wiring, dtypes, non-integer constants, and the shapes of
-        the block's inputs and parameters; not integer constants or the shapes of values made
-        inside the block. Those follow from the input shapes in a dense block, and depend on the
-        data in an MoE block (tokens per expert), whose tape must still match from step to step
-        and rank to rank. Equal for two blocks of one architecture (externals are numbered by
-        first use, not by identity) and identical across processes, so ranks can compare them.
+        It identifies the program, not the rank or the moment (two ranks, or two steps, of one
+        job give the same signature), so ranks can compare it and a saved policy still fits.
+
+        In: op overloads, wiring (which value feeds which argument), output dtypes, the shapes
+        and dtypes of the block's inputs and parameters, and the constants that select what an op
+        computes (bools, None, strings such as ``approximate="tanh"`` or ``reduce_op``, dtypes,
+        layouts, memory formats, and the *type* of a device).
+
+        Out, encoded by type only:
+
+        * integers: shapes of values made inside the block follow from the input shapes in a
+          dense block and depend on the data in an MoE block (tokens per expert);
+        * floats: a scale read with ``.item()`` changes every step, and no float constant
+          changes which values exist or how they are wired;
+        * device indices: ranks on one node use ``cuda:0``, ``cuda:1``, ...;
+        * process-group names of collectives: they differ between TP or PP groups;
+        * version counters of externals: a parameter before and after an optimizer step is the
+          same input.
+
+        Equal for two blocks of one architecture (externals are numbered by first use, not by
+        identity) and identical across processes.
         """
         h = hashlib.sha256()
+        for i, line in enumerate(self.signature_lines()):
+            h.update(f"{i}:{line}\n".encode())
+        return h.hexdigest()[:16]
+
+    def signature_lines(self) -> list[str]:
+        """What :meth:`signature` hashes, one readable line per op: ``name(args, kwargs)->dtypes``.
+
+        Produced values appear as ``%op.slot``, externals as ``$e<n>[shape]dtype`` numbered by
+        first use; comparing two tapes' lines shows the first op where they part.
+        """
         ext_index: dict[int, int] = {}
         values = self.values
 
-        def enc(a: Any) -> str:
-            if isinstance(a, Ref):
-                v = values[a.vid]
-                if v.kind == PRODUCED:
-                    return f"%{v.op}.{v.slot}"
-                n = ext_index.setdefault(a.vid, len(ext_index))
-                return f"$e{n}{list(v.shape)}{v.dtype}"
-            if isinstance(a, (list, tuple)):
-                return "[" + ",".join(enc(x) for x in a) + "]"
-            if isinstance(a, dict):
-                return "{" + ",".join(f"{k}={enc(x)}" for k, x in sorted(a.items())) + "}"
-            if isinstance(a, torch.Generator):
-                return "<gen>"
-            if isinstance(a, int) and not isinstance(a, bool):
-                return "#"
-            if isinstance(a, (bool, float, str, type(None), torch.dtype, torch.device,
-                              torch.layout, torch.memory_format)):
-                return repr(a)
-            return type(a).__name__
+        def ref(r: Ref) -> str:
+            v = values[r.vid]
+            if v.kind == PRODUCED:
+                return f"%{v.op}.{v.slot}"
+            n = ext_index.setdefault(r.vid, len(ext_index))
+            return f"$e{n}{list(v.shape)}{v.dtype}"
 
+        lines = []
         for i, op in enumerate(self.ops):
             outs = ",".join("-" if o is None else str(values[o].dtype) for o in op.outs)
-            h.update(f"{i}:{self.op_name(i)}({enc(op.args)};{enc(op.kwargs)})->{outs}\n".encode())
-        return h.hexdigest()[:16]
+            lines.append(f"{self.op_name(i)}{_canonical_args(op, ref)!r}->{outs}")
+        return lines
+
+
+# Canonical form of recorded arguments, shared by Tape.signature and Tape.fast_key ------------------
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Token:
+    """What the signature keeps of a constant it does not encode by value.
+
+    Its ``repr`` is ``<name>``, which no recorded string's ``repr`` (always quoted) can equal.
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+INT = Token("int")
+"""An int constant (shape, index, split size): its value is data, not program."""
+FLOAT = Token("float")
+"""A float constant (a scale, possibly read from a tensor with ``.item()``)."""
+GROUP = Token("group")
+"""A process-group argument of a collective: its name differs between groups."""
+
+# Collective arguments that say what is computed (the same on every rank); every other string
+# argument of a collective names a process group or a tag, which differ between groups.
+_COLLECTIVE_PROGRAM_ARGS = frozenset({"reduce_op", "op_list"})
+_GROUP_ARG_NAMES = frozenset({"group_name", "group", "process_group", "pg", "tag"})
+_group_args_cache: dict[Any, tuple[frozenset[int], frozenset[str]]] = {}
+
+
+def _group_args(func: Any) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of ``func``'s arguments that name a process group (cached per overload)."""
+    found = _group_args_cache.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        collective = getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES
+        names = frozenset(
+            a.name for a in (schema.arguments if schema is not None else ())
+            if a.name in _GROUP_ARG_NAMES or (
+                collective and a.name not in _COLLECTIVE_PROGRAM_ARGS
+                and a.type.kind() in ("StringType", "AnyType"))
+        )
+        positions = frozenset(i for i, a in enumerate(schema.arguments) if a.name in names) if names else frozenset()
+        found = _group_args_cache[func] = (positions, names)
+    return found
+
+
+def _canonical_args(op: TapeOp, ref) -> tuple:
+    """``(args, kwargs)`` of ``op`` as a hashable tuple with stable ``repr``: tensors through
+    ``ref``, constants that are data or rank-specific replaced by markers (see
+    :meth:`Tape.signature` for what stays and why)."""
+    positions, names = _group_args(op.func)
+    args = op.args
+    if positions:
+        canon_args = tuple(_canonical(a, ref) if i not in positions or _has_ref(a) else GROUP
+                           for i, a in enumerate(args))
+    else:
+        canon_args = tuple([_canonical(a, ref) for a in args])
+    if not op.kwargs:
+        return canon_args, ()
+    return canon_args, tuple(
+        (k, GROUP if k in names and not _has_ref(a) else _canonical(a, ref)) for k, a in sorted(op.kwargs.items())
+    )
+
+
+def _has_ref(a: Any) -> bool:
+    return isinstance(a, Ref) or (isinstance(a, (list, tuple)) and any(_has_ref(x) for x in a))
+
+
+_PASS_THROUGH = (str, torch.dtype, torch.layout, torch.memory_format)
+
+# fast_key's flat form: sentinels delimit structure, so no constant can be mistaken for them.
+_OPEN, _CLOSE, _INTS, _KWARGS, _OUTS, _INT, _FLOAT = (object() for _ in range(7))
+_FAST_LEAVES = frozenset({str, bool, type(None), torch.dtype, torch.layout, torch.memory_format, torch.device})
+_ONLY_INT = {int}
+
+
+def _push_flat(seq: Any, push) -> None:
+    """Append ``seq``'s canonical form to a key, flat: the hot path of :meth:`Tape.fast_key`.
+
+    Stricter than :func:`_canonical` where that is cheaper (device index and group names kept:
+    they do not change within a process), never looser.
+    """
+    for a in seq:
+        t = type(a)
+        if t is Ref:
+            push(~a.vid)  # negative: never equal to a length or a bool
+        elif t is int:
+            push(_INT)
+        elif t is list or t is tuple:
+            if a and set(map(type, a)) == _ONLY_INT:  # a shape or a dim list
+                push(_INTS)
+                push(len(a))
+            else:
+                push(_OPEN)
+                _push_flat(a, push)
+                push(_CLOSE)
+        elif t is float:
+            push(_FLOAT)
+        elif t in _FAST_LEAVES:
+            push(a)
+        else:
+            push(_canonical(a, _fast_ref))
+
+
+def _fast_ref(r: Ref) -> int:
+    return ~r.vid
+
+
+def _canonical(a: Any, ref) -> Any:
+    t = type(a)
+    if t is Ref:
+        return ref(a)
+    if t is int:
+        return INT
+    if t is list or t is tuple:
+        return tuple([_canonical(x, ref) for x in a])
+    if a is None or t is bool or isinstance(a, _PASS_THROUGH):
+        return a
+    if t is float:
+        return FLOAT
+    if isinstance(a, torch.device):
+        return Token(f"device {a.type}")
+    if isinstance(a, bool):
+        return bool(a)
+    if isinstance(a, int):  # int subclasses (IntEnum), numpy ints
+        return INT
+    if isinstance(a, (float, complex)):
+        return FLOAT
+    if isinstance(a, (list, tuple)):
+        return tuple([_canonical(x, ref) for x in a])
+    if isinstance(a, dict):
+        return tuple((str(k), _canonical(x, ref)) for k, x in sorted(a.items(), key=lambda kv: str(kv[0])))
+    # Generators, process-group objects, SymInts and other opaque objects: by type only. Their
+    # repr names an address or a rank, never the program.
+    return Token(t.__name__)
