@@ -467,7 +467,7 @@ class AutoPlanner:
         for b, tape in step.tapes:
             by_block.setdefault(b, []).append(tape)
         signatures = {b: tapes[0].signature() for b, tapes in by_block.items()}
-        tdist.check_signatures(signatures, group)
+        tdist.check_signatures(signatures, group, describe=lambda b: by_block[b][0].signature_lines())
         merged = {b: merge_profiles(tapes) for b, tapes in by_block.items()}
         times = {b: m[0] for b, m in merged.items()}
         sizes = {b: m[1] for b, m in merged.items()}

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 # Namespaces whose ops talk to other ranks or to the outside world: never replayed.
-_COLLECTIVE_NAMESPACES = frozenset(
+COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"}
 )
 
@@ -75,7 +75,7 @@ def _analyse(func: Any) -> OpInfo:
     tags = getattr(func, "tags", ())
     keep_only = None
     namespace = getattr(func, "namespace", "aten")
-    if namespace in _COLLECTIVE_NAMESPACES:
+    if namespace in COLLECTIVE_NAMESPACES:
         keep_only = f"collective {name}: replay would communicate again"
     elif any(t in tags for t in _TAGS_DATA_DEPENDENT):
         keep_only = f"data-dependent {name}: replay would synchronise with the host"

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .ops import _COLLECTIVE_NAMESPACES as COLLECTIVE_NAMESPACES
+from .ops import COLLECTIVE_NAMESPACES
 
 # Value kinds.
 EXTERNAL = 0
