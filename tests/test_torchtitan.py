@@ -93,6 +93,25 @@ def test_two_rank_fsdp_run_matches_baseline_bitwise_and_restarts_from_its_policy
     assert again[0]["policy"] == r0["policy"] and not again[0]["planned"]
 
 
+def test_micro_batches_with_a_tight_limit_and_a_corrupt_policy_file(tmp_path):
+    """Two micro-batches per optimizer step (gradient accumulation) under a limit that fits only
+    when a step is planned as a whole; a policy file of random bytes is warned about and replaced."""
+    accumulate = ("--training.global_batch_size", "8")  # local batch 2 x 2 ranks x 2 micro-batches
+    out, base = run_titan(tmp_path, "ga_base", BASELINE, *accumulate)
+    _ok(out)
+    dump = tmp_path / "dump"
+    (dump / "tapesac").mkdir(parents=True)
+    (dump / "tapesac" / "policy.json").write_bytes(bytes(range(256)) * 4)
+    out, records = run_titan(tmp_path, "ga", CONFIG, *accumulate, "--tapesac.limit_gib", "0.085", dump=dump)
+    _ok(out)
+    log = out.stdout + out.stderr
+    assert "ignoring policy file" in log and "TapeSAC plan: limit" in log
+    assert [r["losses"] for r in records] == [r["losses"] for r in base]
+    assert records[0]["policy"] == records[1]["policy"] and any(keep for _i, keep, _s in records[0]["policy"])
+    assert records[0]["history"] and all(h["measured_peak_bytes"] <= 0.085 * 2**30 for h in records[0]["history"])
+    json.loads((dump / "tapesac" / "policy.json").read_text())  # replaced by the new plan
+
+
 def test_replay_only_mode_matches_baseline(tmp_path, baseline):
     out, records = run_titan(tmp_path, "ro", CONFIG, "--tapesac.mode", "replay_only")
     _ok(out)

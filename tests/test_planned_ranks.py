@@ -1,0 +1,109 @@
+"""Planned mode on two gloo ranks: every decision is the same on every rank, or every rank stops
+with the same clear error; nothing rank-specific (a policy file one rank cannot see, a shape one
+rank runs) can make the ranks call different collectives and hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    result: dict = {}
+    try:
+        import tapesac
+        from tapesac.autoplan import PlanConfig
+
+        from .test_planned_loops import Model, forwards_first
+
+        model = Model()
+        seq = 48
+        config: dict = {}
+        if scenario == "divergent_shape":
+            seq = 48 if rank == 0 else 40
+        elif scenario == "policy_on_one_rank":
+            # Only rank 0's path holds the policy; rank 1's does not exist.
+            config["policy_path"] = os.path.join(tmp, "policy.json" if rank == 0 else f"missing{rank}.json")
+        elif scenario == "garbage_policy_on_rank_1":
+            path = os.path.join(tmp, f"policy_rank{rank}.json")
+            if rank == 1:
+                with open(path, "wb") as f:
+                    f.write(os.urandom(300))
+            config["policy_path"] = path
+        handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12, **config))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loop = forwards_first(2)
+        losses = []
+        try:
+            for step in range(5):
+                opt.zero_grad()
+                losses += [float(x).hex() for x in loop(model, step, seq)]
+                opt.step()
+        except tapesac.TapeSACError as e:
+            result["error"] = str(e)
+        planner = handle.planner
+        result.update(losses=losses, loaded=planner.loaded_policy, plans=sorted(planner.plans),
+                      steps=planner.steps, history=planner.history,
+                      keep=[sorted(map(tuple, s.keep or ())) for s in handle.blocks])
+    except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
+        result["crash"] = traceback.format_exc()
+    finally:
+        queue.put((rank, result))
+        dist.destroy_process_group()
+
+
+def _run(scenario: str, tmp) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, port, scenario, str(tmp), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for r in results.values():
+        assert "crash" not in r, r["crash"]
+    return results
+
+
+def test_ranks_plan_once_and_apply_the_same_plan(tmp_path):
+    r = _run("same", tmp_path)
+    assert r[0]["plans"] == r[1]["plans"] and len(r[0]["plans"]) == 1
+    assert r[0]["keep"] == r[1]["keep"]
+    assert r[0]["history"] == r[1]["history"] and r[0]["history"]
+    assert "error" not in r[0] and "error" not in r[1]
+
+
+def test_a_rank_with_another_shape_stops_every_rank_with_the_same_error(tmp_path):
+    r = _run("divergent_shape", tmp_path)
+    assert r[0]["error"] == r[1]["error"]
+    assert "ranks ran different steps" in r[0]["error"]
+
+
+def test_a_policy_file_only_rank_0_can_read_is_loaded_on_every_rank(tmp_path):
+    first = _run("policy_on_one_rank", tmp_path)  # plans and saves (rank 0 writes)
+    assert (tmp_path / "policy.json").exists() and not first[0]["loaded"]
+    again = _run("policy_on_one_rank", tmp_path)
+    assert again[0]["loaded"] and again[1]["loaded"]  # rank 0 read it, both apply it
+    assert again[0]["keep"] == again[1]["keep"] == first[0]["keep"]
+
+
+def test_a_garbage_policy_file_on_one_rank_changes_nothing(tmp_path):
+    r = _run("garbage_policy_on_rank_1", tmp_path)
+    assert r[0]["plans"] == r[1]["plans"] and len(r[0]["plans"]) == 1
+    assert "error" not in r[0] and "error" not in r[1]
