@@ -499,20 +499,25 @@ class FuzzBlock(nn.Module):
         self.dtype = dtype
         self.gen = gen  # only while building
         self.features: set[str] = set()
+        self._named: list[str] = []  # features named by the step being built
         kinds = sorted(BUILDERS)
         weights = [BUILDERS[k][1] for k in kinds]
         self.steps: list[tuple[str, Step]] = []
+        """(label, fn): the label names the step's features, for repro descriptions."""
         for i in range(rng.randint(3, 7)):
             kind = rng.choices(kinds, weights)[0]
-            self.steps.append((kind, BUILDERS[kind][0](self, f"s{i}_", rng)))
+            self._named = []
+            fn = BUILDERS[kind][0](self, f"s{i}_", rng)
+            self.steps.append(("+".join(self._named) or kind, fn))
         self.returns_aux = rng.random() < 0.35
         if self.returns_aux:
             self.feature("multi_output")
-        # A residual written into the block's own input (``x += bias``), as some blocks do.
-        self.writes_input = rng.random() < 0.15
+        # The block writes its own input in place, as some blocks do: ``x += bias`` before reading
+        # it, or a residual ``x += tanh(x)`` (tanh saves its output, not x: legal in autograd).
+        self.writes_input = rng.choice(["bias", "residual"]) if rng.random() < 0.15 else None
         if self.writes_input:
             self.param("in_bias", D, scale=0.1)
-            self.feature("inplace_on_block_input")
+            self.feature("inplace_on_block_input:" + self.writes_input)
         del self.gen
 
     def param(self, name: str, *shape: int, scale: float = 0.3) -> str:
@@ -522,11 +527,14 @@ class FuzzBlock(nn.Module):
 
     def feature(self, name: str) -> None:
         self.features.add(name)
+        self._named.append(name)
 
     def forward(self, x, *, scale: float | None = None, mask: torch.Tensor | None = None):
         env: dict[str, Any] = {"aux": []}
-        if self.writes_input:
+        if self.writes_input == "bias":
             x.add_(self.in_bias)
+        elif self.writes_input == "residual":
+            x.add_(torch.tanh(x) * self.in_bias)
         h = x
         if mask is not None:
             h = h.masked_fill(~mask[..., None], 0.0)
@@ -542,7 +550,9 @@ class FuzzBlock(nn.Module):
 class FuzzModel(nn.Module):
     """A program: an optional linear before the blocks, 1-2 blocks, a fixed loss head."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, skip: frozenset[str] = frozenset()) -> None:
+        """``skip`` names steps (``"block.step"``) to leave out when shrinking a failing program;
+        they are still drawn, so the rest of the program stays exactly as the seed makes it."""
         super().__init__()
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
@@ -551,6 +561,8 @@ class FuzzModel(nn.Module):
         self.pre = (nn.Parameter(torch.randn(D, D, generator=gen, dtype=self.dtype) * 0.3)
                     if rng.random() < 0.4 else None)
         self.blocks = nn.ModuleList(FuzzBlock(rng, gen, self.dtype) for _ in range(rng.choice([1, 1, 2])))
+        for b, blk in enumerate(self.blocks):
+            blk.steps = [s for i, s in enumerate(blk.steps) if f"{b}.{i}" not in skip]
         self.block_kwargs: list[dict[str, Any]] = []
         for _ in self.blocks:
             kw: dict[str, Any] = {}
@@ -594,14 +606,24 @@ class FuzzModel(nn.Module):
         return loss
 
 
-def describe(seed: int) -> str:
+def describe(seed: int, skip: frozenset[str] = frozenset()) -> str:
     """The program of ``seed`` in one line: dtype, steps per block, kwargs, loss."""
-    m = FuzzModel(seed)
+    m = FuzzModel(seed, skip)
     blocks = " | ".join(
-        ("x+=b; " if b.writes_input else "") + " ".join(k for k, _ in b.steps) + (" ->(h,aux)" if b.returns_aux else "")
+        (f"x+={b.writes_input}; " if b.writes_input else "") + " ".join(k for k, _ in b.steps) + (" ->(h,aux)" if b.returns_aux else "")
         for b in m.blocks)
     return (f"{str(m.dtype).replace('torch.', '')}, {'pre-linear, ' if m.pre is not None else ''}blocks [{blocks}], "
             f"kwargs {m.block_kwargs}, loss {m.loss_form}{' + aux' if m.loss_uses_aux else ''}")
+
+
+def program_size(seed: int, skip: frozenset[str] = frozenset()) -> int:
+    """Steps in the program of ``seed``: the smallest failing program is the best repro."""
+    return sum(len(b.steps) for b in FuzzModel(seed, skip).blocks)
+
+
+def step_ids(seed: int) -> list[str]:
+    """``"block.step"`` of every step of the program, the names ``skip`` takes."""
+    return [f"{b}.{i}" for b, blk in enumerate(FuzzModel(seed).blocks) for i in range(len(blk.steps))]
 
 
 def features_of(seed: int) -> set[str]:
@@ -612,7 +634,9 @@ def features_of(seed: int) -> set[str]:
 def all_features() -> list[str]:
     """Every feature name a program can exercise: the generator's vocabulary."""
     names = {"linear", "matmul:mlp", "matmul:swiglu", "batchnorm1d", "sort_gather", "pointwise",
-             "illegal_inplace", "multi_output", "inplace_on_block_input", "kwargs", "unused_block_output", "dead:no_grad_router_stats"}
+             "illegal_inplace", "multi_output", "inplace_on_block_input:bias",
+             "inplace_on_block_input:residual", "kwargs", "unused_block_output",
+             "dead:no_grad_router_stats"}
     names |= {"view:" + v for v in ["view", "reshape_transpose", "narrow", "select", "index", "chunk",
                                     "unbind", "expand"]}
     names |= {"inplace:" + v for v in _INPLACE_OPS}
@@ -869,19 +893,23 @@ class Outcome:
     """For REFUSED, BOTH_RAISED and MISMATCH: a short, number-free description to group by."""
     notes: str = ""
     """The loop's random choices (micro-batches, what was mutated, what step 2 was)."""
+    skip: frozenset[str] = frozenset()
+    """Steps left out of the program (a shrunk repro)."""
 
     @property
     def repro(self) -> str:
-        return f"python tools/fuzz.py --seed {self.seed} --loop {self.loop}"
+        skip = f" --skip {','.join(sorted(self.skip))}" if self.skip else ""
+        return f"python tools/fuzz.py --seed {self.seed} --loop {self.loop}{skip}"
 
     def message(self) -> str:
         return (f"{self.status} seed={self.seed} loop={self.loop} ({self.notes}): {self.detail}\n"
                 f"  repro: {self.repro}")
 
 
-def run_program(seed: int, loop: str, wrapped: bool) -> tuple[dict, list[str]]:
+def run_program(seed: int, loop: str, wrapped: bool,
+                skip: frozenset[str] = frozenset()) -> tuple[dict, list[str]]:
     """Build program ``seed`` and run ``loop`` on it, plain or with TapeSAC: (results, notes)."""
-    model = FuzzModel(seed)
+    model = FuzzModel(seed, skip)
     handle = tapesac.wrap(list(model.blocks)) if wrapped else None
     run = _Run(model, handle, seed)
     try:
@@ -936,7 +964,7 @@ def _short_trace(exc: BaseException) -> str:
     return f" at {where.filename.split('/')[-1]}:{where.lineno}" if where else ""
 
 
-def check(seed: int, loop: str | None = None) -> Outcome:
+def check(seed: int, loop: str | None = None, skip: frozenset[str] = frozenset()) -> Outcome:
     """Run program ``seed`` under ``loop`` plain and under TapeSAC and classify the result."""
     loop = loop or default_loop(seed)
     with warnings.catch_warnings():
@@ -944,14 +972,14 @@ def check(seed: int, loop: str | None = None) -> Outcome:
         plain_exc = wrapped_exc = None
         notes: list[str] = []
         try:
-            expected, notes = run_program(seed, loop, wrapped=False)
+            expected, notes = run_program(seed, loop, wrapped=False, skip=skip)
         except Exception as e:  # noqa: BLE001 - any error of plain autograd is a legal outcome
             plain_exc = e
         try:
-            actual, notes = run_program(seed, loop, wrapped=True)
+            actual, notes = run_program(seed, loop, wrapped=True, skip=skip)
         except Exception as e:  # noqa: BLE001 - classified below
             wrapped_exc = e
-    out = Outcome(seed, loop, MATCH, notes="; ".join(notes) or "-")
+    out = Outcome(seed, loop, MATCH, notes="; ".join(notes) or "-", skip=frozenset(skip))
     if plain_exc is not None and wrapped_exc is not None:
         out.status, out.kind = BOTH_RAISED, error_kind(plain_exc)
         out.detail = f"plain: {error_kind(plain_exc)}; TapeSAC: {error_kind(wrapped_exc)}"
@@ -971,3 +999,13 @@ def check(seed: int, loop: str | None = None) -> Outcome:
         if diff is not None:
             out.status, out.kind, out.detail = MISMATCH, "silently different numbers", diff
     return out
+
+
+def shrink(outcome: Outcome) -> Outcome:
+    """The smallest program found by leaving steps out that fails with the same status and kind."""
+    best = outcome
+    for step in step_ids(outcome.seed):
+        trial = check(outcome.seed, outcome.loop, best.skip | {step})
+        if trial.status == outcome.status and trial.kind == outcome.kind:
+            best = trial
+    return best

@@ -64,7 +64,9 @@ def test_plain_autograd_rejects_only_the_programs_meant_to_be_rejected():
         except RuntimeError:
             model = fuzz.FuzzModel(seed)
             leaf_written = model.blocks[0].writes_input and model.pre is None and not model.copy_input
-            if "illegal_inplace" not in model.features and not leaf_written:
+            # a later block writing its input writes what the block before it may have saved
+            saved_written = any(b.writes_input for b in model.blocks[1:])
+            if "illegal_inplace" not in model.features and not leaf_written and not saved_written:
                 rejected.append(seed)
     assert not rejected, f"plain autograd rejects programs the generator meant to be legal: {rejected}"
 

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed (default 0)")
     ap.add_argument("--seed", type=int, help="run this one seed (overrides --count/--start)")
     ap.add_argument("--loop", choices=sorted(fuzz.LOOPS), help="run every seed under this loop shape")
+    ap.add_argument("--skip", default="", help="leave these steps out (block.step,...): a shrunk repro")
+    ap.add_argument("--shrink", action="store_true",
+                    help="shrink each failing program shown to the fewest steps that still fail alike")
     ap.add_argument("--json", help="write every outcome to this file")
     ap.add_argument("--verbose", "-v", action="store_true", help="print every non-MATCH outcome as it comes")
     args = ap.parse_args(argv)
@@ -48,13 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     features: collections.Counter = collections.Counter()
     t0 = time.perf_counter()
     for n, seed in enumerate(seeds):
-        out = fuzz.check(seed, args.loop)
+        out = fuzz.check(seed, args.loop, frozenset(filter(None, args.skip.split(","))))
+        if args.shrink and args.seed is not None and out.status == fuzz.MISMATCH:
+            out = fuzz.shrink(out)
         outcomes.append(out)
         features.update(fuzz.features_of(seed))
         if args.verbose or args.seed is not None:
             if out.status != fuzz.MATCH or args.seed is not None:
                 print(out.message(), flush=True)
-                print(f"  program: {fuzz.describe(seed)}", flush=True)
+                print(f"  program: {fuzz.describe(seed, out.skip)}", flush=True)
         if len(seeds) >= 200 and (n + 1) % 200 == 0:
             print(f"... {n + 1}/{len(seeds)} programs, {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     elapsed_s = time.perf_counter() - t0
@@ -86,7 +91,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"         loops: {', '.join(f'{k} {v}' for k, v in loops.most_common())}")
             if status == fuzz.MISMATCH:
                 print(f"         seeds: {' '.join(str(o.seed) for o in os_[:40])}{' ...' if len(os_) > 40 else ''}")
-                print(f"         e.g.:  {os_[0].repro}  ({os_[0].notes}: {os_[0].detail[:160]})")
+                by_loop: dict[str, list[fuzz.Outcome]] = collections.defaultdict(list)
+                for o in os_:
+                    by_loop[o.loop].append(o)
+                for loop, group in by_loop.items():
+                    o = min(group, key=lambda o: (fuzz.program_size(o.seed), o.seed))
+                    if args.shrink:
+                        o = fuzz.shrink(o)
+                    print(f"         smallest {loop}: {o.repro}  ({fuzz.program_size(o.seed, o.skip)} steps; "
+                          f"{o.notes})")
+                    if args.shrink:
+                        print(f"           program: {fuzz.describe(o.seed, o.skip)}")
 
     print(f"\nfeatures (programs containing each, of {len(outcomes)}):")
     for name in fuzz.all_features():
