@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for n, seed in enumerate(seeds):
         out = fuzz.check(seed, args.loop, frozenset(filter(None, args.skip.split(","))))
-        if args.shrink and args.seed is not None and out.status == fuzz.MISMATCH:
+        if args.shrink and args.seed is not None and out.status != fuzz.MATCH:
             out = fuzz.shrink(out)
         outcomes.append(out)
         features.update(fuzz.features_of(seed))
