@@ -610,7 +610,8 @@ def describe(seed: int, skip: frozenset[str] = frozenset()) -> str:
     """The program of ``seed`` in one line: dtype, steps per block, kwargs, loss."""
     m = FuzzModel(seed, skip)
     blocks = " | ".join(
-        (f"x+={b.writes_input}; " if b.writes_input else "") + " ".join(k for k, _ in b.steps) + (" ->(h,aux)" if b.returns_aux else "")
+        (f"x+={b.writes_input}; " if b.writes_input else "") + " ".join(k for k, _ in b.steps)
+        + (" ->(h,aux)" if b.returns_aux else "")
         for b in m.blocks)
     return (f"{str(m.dtype).replace('torch.', '')}, {'pre-linear, ' if m.pre is not None else ''}blocks [{blocks}], "
             f"kwargs {m.block_kwargs}, loss {m.loss_form}{' + aux' if m.loss_uses_aux else ''}")
