@@ -5,7 +5,7 @@ lazily, and rerun only the producer chains of the values backward actually reads
 """
 
 from .api import TapeSACHandle, wrap
-from .errors import PlanError, PolicyError, ReplayError, TapeSACError, WrapError
+from .errors import ConfigError, PlanError, PolicyError, ReplayError, TapeSACError, WrapError
 
 __all__ = [
     "wrap",
@@ -15,5 +15,6 @@ __all__ = [
     "ReplayError",
     "PolicyError",
     "PlanError",
+    "ConfigError",
 ]
 __version__ = "0.1.0"

@@ -30,7 +30,7 @@ import enum
 import hashlib
 import logging
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import distributed as tdist
 from .artifacts import save_plan
-from .errors import PlanError, PolicyError
+from .errors import ConfigError, PlanError, PolicyError, TapeSACError
 from .memory import fmt_bytes, meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
@@ -96,20 +96,48 @@ class PlanConfig:
     (modules, tensors, optimizers, or a callable returning them). On CUDA the allocator's own
     statistics count everything."""
     process_group: Any = None
+    fatal: Callable[[TapeSACError], Any] | None = None
+    """Called with an error that ends planned mode (an infeasible limit, ranks that disagree)
+    before it is raised; torchtitan prints it once and ends the job there."""
     policy_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Facts stored in the saved policy and checked when loading it (world size, model): a
     policy made under other facts is ignored with a warning, and the run re-plans."""
 
     def __post_init__(self) -> None:
-        if not self.memory_limit_bytes or self.memory_limit_bytes <= 0:
-            raise PlanError(f"memory limit must be positive, got {self.memory_limit_bytes} bytes")
-        if not 0 <= self.safety_margin < 1:
-            raise PlanError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
-        if self.profile_steps < 1 or self.warmup_steps < 0 or self.repeats < 1:
-            raise PlanError("profile_steps and repeats must be >= 1 and warmup_steps >= 0")
-        if self.timing_reduction not in tdist.REDUCTIONS:
-            raise PlanError(f"timing_reduction must be one of {sorted(tdist.REDUCTIONS)}, "
-                            f"got {self.timing_reduction!r}")
+        limit = self.memory_limit_bytes
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            raise ConfigError(f"memory_limit_bytes must be a positive number of bytes, got {limit!r}")
+        self.memory_limit_bytes = int(limit)
+        check_settings(self)
+
+
+def check_settings(settings: Any, names: dict[str, str] | None = None) -> None:
+    """Validate the fields planned mode shares with its front ends (the torchtitan ``[tapesac]``
+    section calls this too, with its own field names in ``names``); raise ConfigError."""
+    names = names or {}
+
+    def get(field: str) -> Any:
+        return getattr(settings, names.get(field, field).rsplit(".", 1)[-1])
+
+    def fail(field: str, rule: str) -> None:
+        raise ConfigError(f"{names.get(field, field)} must be {rule}, got {get(field)!r}")
+
+    def integer(field: str, low: int) -> None:
+        v = get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
+            fail(field, f"an integer >= {low}")
+
+    margin = get("safety_margin")
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        fail("safety_margin", "in [0, 1)")
+    integer("warmup_steps", 0)
+    integer("profile_steps", 1)
+    integer("repeats", 1)
+    solver = get("solver_time_limit_s")
+    if not isinstance(solver, (int, float)) or not solver >= 0:
+        fail("solver_time_limit_s", ">= 0")
+    if get("timing_reduction") not in tdist.REDUCTIONS:
+        fail("timing_reduction", "one of " + ", ".join(sorted(tdist.REDUCTIONS)))
 
 
 class Phase(str, enum.Enum):
@@ -351,6 +379,12 @@ class AutoPlanner:
         self._step.mismatch = True
         return True
 
+    def _fail(self, error: TapeSACError):
+        """End planned mode with ``error`` (the same on every rank)."""
+        if self.config.fatal is not None:
+            self.config.fatal(error)
+        raise error
+
     # Choosing a plan ----------------------------------------------------------------------------
 
     def _choose(self, block: int, ik: str) -> StepPlan | None:
@@ -395,9 +429,9 @@ class AutoPlanner:
             active = None
         if purpose == "profile":
             if not same:
-                raise PolicyError(
+                self._fail(PolicyError(
                     "TapeSAC: ranks ran different steps (block input shapes differ across ranks) "
-                    "during profiling; every rank must run the same shapes to share one plan")
+                    "during profiling; every rank must run the same shapes to share one plan"))
             if failed:
                 self._profile_failed(key, profile_error or "another rank's profile failed")
             elif memory is not None and key not in self.plans:
@@ -467,7 +501,10 @@ class AutoPlanner:
         for b, tape in step.tapes:
             by_block.setdefault(b, []).append(tape)
         signatures = {b: tapes[0].signature() for b, tapes in by_block.items()}
-        tdist.check_signatures(signatures, group, describe=lambda b: by_block[b][0].signature_lines())
+        try:
+            tdist.check_signatures(signatures, group, describe=lambda b: by_block[b][0].signature_lines())
+        except PolicyError as e:
+            self._fail(e)
         merged = {b: merge_profiles(tapes) for b, tapes in by_block.items()}
         times = {b: m[0] for b, m in merged.items()}
         sizes = {b: m[1] for b, m in merged.items()}
@@ -511,7 +548,7 @@ class AutoPlanner:
         if kind == "error":
             if first:
                 self._stop_trace()
-                raise PlanError(value)
+                self._fail(PlanError(value))
             log.warning("TapeSAC: no plan fits the tightened limit %s (%s); this step shape runs "
                         "replay-only, the smallest peak there is", fmt_bytes(limit), value)
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})

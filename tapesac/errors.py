@@ -21,3 +21,7 @@ class PolicyError(TapeSACError):
 
 class PlanError(TapeSACError):
     """The planner cannot satisfy the request (infeasible memory limit, bad graph)."""
+
+
+class ConfigError(TapeSACError):
+    """A setting is invalid (out of range, or in conflict with another); raised before any work."""

@@ -30,3 +30,46 @@ def test_there_are_cpu_debug_and_gpu_jobs():
     names = {p.name for p in CONFIGS}
     assert {"llama3_debug_cpu.toml", "qwen3_debug_cpu.toml", "qwen3_moe_debug_cpu.toml"} <= names
     assert {"llama3_8b.toml", "qwen3_8b.toml", "qwen3_30b_a3b.toml"} <= names
+
+
+def test_toml_section_and_eager_plan_config_share_defaults():
+    import dataclasses
+
+    from tapesac.autoplan import PlanConfig
+    from torchtitan_ext.config import TapeSAC
+
+    eager = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    toml = {f.name: f.default for f in dataclasses.fields(TapeSAC)}
+    shared = {"safety_margin": "safety_margin", "warmup_steps": "warmup_steps", "profile_steps": "profile_steps",
+              "repeats": "profile_repeats", "timing_reduction": "timing_reduction",
+              "solver_time_limit_s": "solver_time_limit_s", "verify": "verify"}
+    assert {e: eager[e] for e in shared} == {e: toml[t] for e, t in shared.items()}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("budget", 1.5, "tapesac.budget must be in (0, 1]"),
+    ("budget", float("nan"), "tapesac.budget must be in (0, 1]"),
+    ("limit_gib", -1.0, "tapesac.limit_gib must be >= 0"),
+    ("safety_margin", 1.0, "tapesac.safety_margin must be in [0, 1)"),
+    ("profile_repeats", 0, "tapesac.profile_repeats must be an integer >= 1"),
+    ("warmup_steps", 1.5, "tapesac.warmup_steps must be an integer >= 0"),
+    ("timing_reduction", "sum", "tapesac.timing_reduction must be one of max, mean, median"),
+    ("mode", "fast", "tapesac.mode must be 'plan' or 'replay_only'"),
+])
+def test_bad_values_are_refused_when_the_section_is_made(field, value, message):
+    import tapesac
+    from torchtitan_ext.config import TapeSAC
+
+    with pytest.raises(tapesac.ConfigError) as e:
+        TapeSAC(**{field: value})
+    assert str(e.value).startswith(message)
+
+
+def test_eager_plan_config_uses_the_same_checks():
+    import tapesac
+    from tapesac.autoplan import PlanConfig
+
+    with pytest.raises(tapesac.ConfigError, match=r"^safety_margin must be in \[0, 1\)"):
+        PlanConfig(memory_limit_bytes=10, safety_margin=2.0)
+    with pytest.raises(tapesac.ConfigError, match="memory_limit_bytes must be a positive number"):
+        PlanConfig(memory_limit_bytes=0)

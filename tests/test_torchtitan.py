@@ -148,13 +148,26 @@ def test_two_nodes_on_loopback_match_baseline(tmp_path, baseline, planned_limit_
     (["--activation_checkpoint.mode", "full"], "TapeSAC replaces activation checkpointing"),
     (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode = \"none\""),
     (["--compile.enable"], "set compile.enable = false"),
-    (["--tapesac.bogus", "1"], "bogus"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, overrides, message):
-    out, records = run_titan(tmp_path, "bad", CONFIG, *overrides, nproc=1, steps=2)
+    out, records = run_titan(tmp_path, "bad", CONFIG, *overrides, nproc=2, steps=2)
     assert out.returncode != 0
-    assert message in out.stdout + out.stderr
+    assert_one_clear_error(out, message)
     assert records[0] is None or records[0]["losses"] == []  # no step ran
+
+
+def assert_one_clear_error(out: subprocess.CompletedProcess, message: str) -> None:
+    """One line from rank 0 says what is wrong; no rank prints a traceback; status 2."""
+    log = out.stdout + out.stderr
+    lines = [line for line in log.splitlines() if line.startswith("[tapesac] error:")]
+    assert len(lines) == 1 and message in lines[0], log[-4000:]
+    assert "exitcode  : 2" in log
+    assert 'File "' + str(ROOT / "tapesac") not in log and "torchtitan_ext/" not in log.split("[tapesac] error:")[1]
+
+
+def test_unknown_setting_is_an_error(tmp_path):
+    out, _ = run_titan(tmp_path, "bogus", CONFIG, "--tapesac.bogus", "1", nproc=1, steps=2)
+    assert out.returncode != 0 and "bogus" in out.stdout + out.stderr
 
 
 def test_unknown_field_in_toml_is_an_error(tmp_path):
@@ -165,10 +178,10 @@ def test_unknown_field_in_toml_is_an_error(tmp_path):
 
 
 def test_infeasible_limit_names_the_smallest_peak(tmp_path):
-    out, records = run_titan(tmp_path, "tiny", CONFIG, "--tapesac.limit_gib", "0.001", nproc=1, steps=4)
+    out, records = run_titan(tmp_path, "tiny", CONFIG, "--tapesac.limit_gib", "0.001", steps=4)
     assert out.returncode != 0
-    log = out.stdout + out.stderr
-    assert "is infeasible" in log and "the smallest achievable" in log
+    assert_one_clear_error(out, "is infeasible")
+    assert "the smallest achievable" in out.stdout + out.stderr
     assert len(records[0]["losses"]) <= 2  # warm-up and profiling steps only
 
 

@@ -39,8 +39,9 @@ def _register_flavors() -> None:
 
 
 def _setup() -> None:
-    from . import cpu_shim, converter
+    from . import converter, cpu_shim, errors
 
+    errors.install()
     cpu_shim.install()
     converter.register()
     _register_dataset()

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torchtitan_ext  # noqa: F401  (registers the converter, the dataset, the CPU shim)
+from tapesac.autoplan import PlanConfig, check_settings
+from tapesac.errors import ConfigError
+
+
+# The fields shared with the eager API take PlanConfig's defaults and validation: one definition.
+_PLAN = PlanConfig
 
 
 @dataclass
@@ -35,7 +41,7 @@ class TapeSAC:
     limit_gib: float = 0.0
     """Absolute step-peak limit in GiB; when > 0 it overrides ``budget``."""
 
-    safety_margin: float = 0.005
+    safety_margin: float = _PLAN.safety_margin
     """Fraction of the limit the plan leaves unused, for memory a profiled step cannot show
     (allocations outside the blocks' window, data-dependent sizes such as MoE routing)."""
 
@@ -43,19 +49,20 @@ class TapeSAC:
     """Device capacity assumed on CPU, where no allocator reports one, in GiB. 0: physical memory
     divided by the ranks on this node."""
 
-    warmup_steps: int = 1
-    """Replay-only steps before profiling starts."""
+    warmup_steps: int = _PLAN.warmup_steps
+    """Replay-only optimizer steps before the first profile (the first one allocates optimizer
+    state once)."""
 
-    profile_steps: int = 1
-    """Steps in which every op is timed and memory is traced; times are their median."""
+    profile_steps: int = _PLAN.profile_steps
+    """Profiled steps per step shape (every op timed, memory traced)."""
 
-    profile_repeats: int = 3
+    profile_repeats: int = _PLAN.repeats
     """Runs per op when timing it (median)."""
 
-    timing_reduction: Literal["max", "mean", "median"] = "max"
+    timing_reduction: Literal["max", "mean", "median"] = _PLAN.timing_reduction
     """How per-op times are combined across ranks before rank 0 plans."""
 
-    solver_time_limit_s: float = 0.15
+    solver_time_limit_s: float = _PLAN.solver_time_limit_s
     """Time limit of the allocation MILP, in seconds (a greedy plan is always available)."""
 
     policy_file: str = ""
@@ -66,11 +73,27 @@ class TapeSAC:
     """Where to write the step frontier (JSON, plus a PNG next to it). Empty:
     ``<job.dump_folder>/tapesac/frontier.json``; "none": do not write it."""
 
-    verify: bool = True
-    """Measure the first planned step; if its peak exceeds the limit, re-plan with a margin."""
+    verify: bool = _PLAN.verify
+    """Measure the first step under each plan; if its peak exceeds the limit, re-plan tighter."""
 
     debug: bool = False
     """Compare every recomputed value with the forward's and fail on any difference (slow)."""
+
+    def __post_init__(self) -> None:
+        """Every value is checked here, when the config is parsed: before any work, once."""
+        if self.mode not in ("plan", "replay_only"):
+            raise ConfigError(f"tapesac.mode must be 'plan' or 'replay_only', got {self.mode!r}")
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {budget!r}")
+        for name in ("limit_gib", "cpu_capacity_gib"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"tapesac.{name} must be >= 0, got {value!r}")
+        check_settings(self, {f: f"tapesac.{f}" for f in _SHARED} | {"repeats": "tapesac.profile_repeats"})
+
+
+_SHARED = ("safety_margin", "warmup_steps", "profile_steps", "solver_time_limit_s", "timing_reduction")
 
 
 @dataclass

@@ -12,7 +12,6 @@ gathered the parameters again; no module hook runs twice.
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,11 @@ from torch import nn
 
 import tapesac
 from tapesac.autoplan import PlanConfig
+from tapesac.errors import ConfigError
 from tapesac.memory import fmt_bytes
 
 from . import cpu_shim
+from .errors import exit_with
 
 try:
     from torchtitan.tools.logging import logger
@@ -33,12 +34,9 @@ except ImportError:  # pragma: no cover
     logger = logging.getLogger("tapesac")
 
 
-class ConfigError(ValueError):
-    """A ``[tapesac]`` setting or a conflicting torchtitan setting; raised before training."""
-
-
 def validate(job_config: Any, parallel_dims: Any = None) -> Any:
-    """Check the ``[tapesac]`` section and its neighbours; return the section."""
+    """Check the ``[tapesac]`` section's neighbours (its own fields were checked when the config
+    was parsed, in ``torchtitan_ext.config.TapeSAC``); return the section."""
     cfg = getattr(job_config, "tapesac", None)
     if cfg is None:
         raise ConfigError(
@@ -46,20 +44,6 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             "job.custom_config_module = \"torchtitan_ext.config\" in the TOML (or pass "
             "--job.custom_config_module torchtitan_ext.config)"
         )
-    if cfg.mode not in ("plan", "replay_only"):
-        raise ConfigError(f"tapesac.mode must be 'plan' or 'replay_only', got {cfg.mode!r}")
-    if not (isinstance(cfg.budget, (int, float)) and 0 < cfg.budget <= 1) or math.isnan(cfg.budget):
-        raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {cfg.budget!r}")
-    if not 0 <= cfg.safety_margin < 1:
-        raise ConfigError(f"tapesac.safety_margin must be in [0, 1), got {cfg.safety_margin!r}")
-    for name in ("limit_gib", "cpu_capacity_gib", "solver_time_limit_s"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"tapesac.{name} must be >= 0, got {getattr(cfg, name)!r}")
-    for name, low in (("warmup_steps", 0), ("profile_steps", 1), ("profile_repeats", 1)):
-        if int(getattr(cfg, name)) != getattr(cfg, name) or getattr(cfg, name) < low:
-            raise ConfigError(f"tapesac.{name} must be an integer >= {low}, got {getattr(cfg, name)!r}")
-    if cfg.timing_reduction not in ("max", "mean", "median"):
-        raise ConfigError(f"tapesac.timing_reduction must be max, mean or median, got {cfg.timing_reduction!r}")
     ac = job_config.activation_checkpoint.mode
     if ac != "none":
         raise ConfigError(
@@ -111,7 +95,10 @@ class TapeSACConverter:
     def __init__(self, job_config: Any, parallel_dims: Any) -> None:
         self.job_config = job_config
         self.parallel_dims = parallel_dims
-        self.cfg = validate(job_config, parallel_dims)
+        try:
+            self.cfg = validate(job_config, parallel_dims)
+        except ConfigError as e:
+            exit_with(e)
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
         self._model: nn.Module | None = None
@@ -143,7 +130,7 @@ class TapeSACConverter:
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
             policy_path=_artifact(cfg.policy_file, dump, "policy.json"),
             frontier_path=_artifact(cfg.frontier_file, dump, "frontier.json"),
-            device=device, track=lambda: [model],
+            device=device, track=lambda: [model], fatal=exit_with,
             policy_meta={"world_size": world, "model": f"{self.job_config.model.name}/"
                          f"{self.job_config.model.flavor}"},
         )
