@@ -293,6 +293,8 @@ class AutoPlanner:
         """Step key of the step that ended last (the best guess for the next one)."""
         self._last_same = True
         """Whether every rank ran that key."""
+        self._last_active: StepPlan | None = None
+        """The plan the last step ran under (None: replay-only)."""
         self._warned_no_boundary = False
         for s in handle.blocks:
             s.controller = self
@@ -323,6 +325,11 @@ class AutoPlanner:
             return
         self._end_step()
         self._begin_step()
+
+    def current_policy(self) -> Policy | None:
+        """The policy of the plan the current (or last) step runs under; None: replay-only."""
+        entry = self._step.active or self._last_active
+        return entry.policy if entry is not None and entry.key in self.plans else None
 
     def close(self) -> None:
         """Remove the optimizer hook and stop any trace (``handle.remove()``)."""
@@ -421,6 +428,7 @@ class AutoPlanner:
         same, mismatch, failed, off_plan = self._agree(key, profile_error is not None)
         self.steps += 1
         self._last_key, self._last_same = key, same
+        self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
         if mismatch and active is not None and active.key in self.plans:
             log.warning("TapeSAC: a block's tape differs from the one its plan was made for (the "

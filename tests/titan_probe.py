@@ -12,6 +12,7 @@ import torchtitan.train
 import torchtitan_ext.converter as converter
 
 _losses: list[str] = []
+_converter: list = []  # held from the first step: the trainer (and its converter) is gone at exit
 
 
 def _patch(trainer_cls) -> None:
@@ -20,6 +21,8 @@ def _patch(trainer_cls) -> None:
     def forward_backward_step(self, **kwargs):
         loss = original(self, **kwargs)
         _losses.append(float(loss.detach().sum().item()).hex())
+        if not _converter and converter.active() is not None:
+            _converter.append(converter.active())
         return loss
 
     trainer_cls.forward_backward_step = forward_backward_step
@@ -33,8 +36,8 @@ for module in {sys.modules["torchtitan.train"], sys.modules.get("__main__")}:
 
 def _dump() -> None:
     record = {"losses": _losses}
-    if converter.ACTIVE:
-        handle = converter.ACTIVE[-1].handle
+    if _converter:
+        handle = _converter[0].handle
         planner = handle.planner
         record["policy"] = [[s.index, sorted(map(list, s.keep or ())), s.expected_signature] for s in handle.blocks]
         record["planned"] = planner is not None and planner.plan is not None

@@ -12,6 +12,8 @@ gathered the parameters again; no module hook runs twice.
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +87,17 @@ def _artifact(path: str, dump_folder: str, default: str) -> str | None:
     return path or str(Path(dump_folder) / "tapesac" / default)
 
 
-ACTIVE: list["TapeSACConverter"] = []
-"""Converters built in this process, newest last (tools and tests inspect their handles)."""
+_CONVERTERS: list[weakref.ref] = []
+"""Converters built in this process, newest last, held weakly (a finished trainer is freed)."""
+
+
+def active() -> "TapeSACConverter | None":
+    """The newest converter still alive in this process (tools and tests inspect its handle)."""
+    for ref in reversed(_CONVERTERS):
+        converter = ref()
+        if converter is not None:
+            return converter
+    return None
 
 
 class TapeSACConverter:
@@ -102,8 +113,8 @@ class TapeSACConverter:
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
         self._model: nn.Module | None = None
-        self._report_metrics()
-        ACTIVE.append(self)
+        _CONVERTERS.append(weakref.ref(self))
+        _report_metrics()
 
     # ModelConverter protocol ----------------------------------------------------------------
 
@@ -142,41 +153,72 @@ class TapeSACConverter:
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
 
-    def _report_metrics(self) -> None:
-        """Add TapeSAC's numbers to torchtitan's metrics (console, TensorBoard, W&B)."""
-        import torchtitan.train as train
+    def metrics(self) -> dict[str, float]:
+        """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B), this rank's."""
+        out: dict[str, float] = {}
+        if self.limit_bytes:
+            out["tapesac/limit_gib"] = self.limit_bytes / 2**30
+        if self.handle is None:
+            return out
+        stats = self.handle.stats().values()
+        out["tapesac/kept_gib"] = sum(s["kept_bytes"] for s in stats) / 2**30
+        out["tapesac/replayed_ops"] = float(sum(s["ops_replayed"] for s in stats))
+        planner = self.handle.planner
+        policy = planner.current_policy() if planner is not None else None
+        if policy is not None and policy.predicted_peak_bytes is not None:
+            out["tapesac/predicted_peak_gib"] = policy.predicted_peak_bytes / 2**30
+            out["tapesac/recompute_ms"] = (policy.predicted_recompute_s or 0.0) * 1e3
+        if planner is not None and planner.history:
+            out["tapesac/measured_peak_gib"] = planner.history[-1]["measured_peak_bytes"] / 2**30
+        return out
 
-        build = getattr(train.build_metrics_processor, "__tapesac_original__", train.build_metrics_processor)
+    def summary(self) -> str:
+        """One line for the console, under torchtitan's step line."""
+        m = self.metrics()
+        parts = [f"limit {m['tapesac/limit_gib'] * 1024:.1f} MiB"] if "tapesac/limit_gib" in m else []
+        if "tapesac/predicted_peak_gib" in m:
+            parts.append(f"predicted peak {m['tapesac/predicted_peak_gib'] * 1024:.1f} MiB")
+        if "tapesac/measured_peak_gib" in m:
+            parts.append(f"measured {m['tapesac/measured_peak_gib'] * 1024:.1f} MiB")
+        parts.append(f"kept {m.get('tapesac/kept_gib', 0) * 1024:.1f} MiB")
+        if "tapesac/recompute_ms" in m:
+            parts.append(f"recompute {m['tapesac/recompute_ms']:.1f} ms (predicted)")
+        parts.append(f"replayed {int(m.get('tapesac/replayed_ops', 0))} ops")
+        phase = self.handle.planner.phase.value if self.handle is not None and self.handle.planner else "replay-only"
+        return f"TapeSAC [{phase}]: " + ", ".join(parts)
+
+
+def _report_metrics() -> None:
+    """Add TapeSAC's numbers to torchtitan's metrics (TensorBoard, W&B) and a line under each
+    step's log line (rank 0). torchtitan's trainer may run as ``torchtitan.train`` or, with
+    ``python -m torchtitan.train``, as ``__main__``: both copies are wrapped, once each."""
+    import sys
+
+    for module in {sys.modules.get("torchtitan.train"), sys.modules.get("__main__")}:
+        build = getattr(module, "build_metrics_processor", None)
+        if build is None or getattr(build, "__tapesac__", False) or not hasattr(module, "Trainer"):
+            continue
 
         @functools.wraps(build)
-        def build_with_tapesac_metrics(*args: Any, **kwargs: Any):
-            processor = build(*args, **kwargs)
+        def build_with_tapesac_metrics(*args: Any, _build=build, **kwargs: Any):
+            processor = _build(*args, **kwargs)
             log = processor.log
 
             def log_with_tapesac(step, *a, extra_metrics=None, **k):
+                converter = active()
                 extra = dict(extra_metrics or {})
-                extra.update(self.metrics())
-                return log(step, *a, extra_metrics=extra, **k)
+                if converter is not None:
+                    extra.update(converter.metrics())
+                out = log(step, *a, extra_metrics=extra, **k)
+                if converter is not None and int(os.environ.get("RANK", "0")) == 0:
+                    logger.info(converter.summary())
+                return out
 
             processor.log = log_with_tapesac
             return processor
 
-        build_with_tapesac_metrics.__tapesac_original__ = build  # type: ignore[attr-defined]
-        train.build_metrics_processor = build_with_tapesac_metrics
-
-    def metrics(self) -> dict[str, float]:
-        """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B, console)."""
-        out: dict[str, float] = {}
-        if self.limit_bytes:
-            out["tapesac/limit_gib"] = self.limit_bytes / 2**30
-        planner = self.handle.planner if self.handle is not None else None
-        if planner is not None and planner.plan is not None:
-            a = planner.plan.allocation
-            out["tapesac/predicted_peak_gib"] = a.predicted_peak_bytes / 2**30
-            out["tapesac/recompute_ms"] = a.recompute_s * 1e3
-        if planner is not None and planner.history:
-            out["tapesac/measured_peak_gib"] = planner.history[-1]["measured_peak_bytes"] / 2**30
-        return out
+        build_with_tapesac_metrics.__tapesac__ = True  # type: ignore[attr-defined]
+        module.build_metrics_processor = build_with_tapesac_metrics
 
 
 def register() -> None:
