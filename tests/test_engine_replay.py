@@ -220,3 +220,23 @@ def test_debug_mode_catches_a_nondeterministic_replay(monkeypatch):
     with pytest.raises(tapesac.ReplayError, match="differs from the forward"):
         grads(case)
     handle.remove()
+
+
+def test_recording_flows_one_way_and_forms_no_cycles():
+    """The recorder is gone once forward returns; what backward needs dies with the graph, no gc."""
+    case = CASES["square"]()
+    handle = tapesac.wrap(case.blocks)
+    recorders: list[weakref.ref] = []
+    for s in handle.blocks:
+        s.on_record = lambda state, rec, args, kwargs: recorders.append(weakref.ref(rec))
+    gc.collect()
+    gc.disable()
+    try:
+        loss = case.run(case.model)
+        assert len(recorders) == 2 and all(r() is None for r in recorders), "a Saved handle holds the recorder"
+        replayers = [s.last_replayer for s in handle.blocks]
+        assert all(r() is not None for r in replayers)
+        del loss  # no backward: the graph and everything it saved go at once
+        assert all(r() is None for r in replayers), "a reference cycle keeps a replayer alive"
+    finally:
+        gc.enable()
