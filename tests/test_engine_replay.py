@@ -121,7 +121,7 @@ def test_nothing_recorded_or_recomputed_survives_backward_without_gc(kind):
             loss = case.run(case.model)
             loss.backward()
         del loss
-        recorders = [s.last_recorder for s in handle.blocks]
+        replayers = [s.last_replayer for s in handle.blocks]
         grads_ = {id(p.grad) for p in case.model.parameters() if p.grad is not None}
         grads_ |= {id(x.grad) for x in case.inputs}
         alive = [r() for r in tracker.refs if r() is not None]
@@ -132,7 +132,7 @@ def test_nothing_recorded_or_recomputed_survives_backward_without_gc(kind):
         owned |= {x.untyped_storage().data_ptr() for x in case.inputs}
         leaked = [t for t in alive if t.untyped_storage().data_ptr() not in owned]
         assert not leaked, [(tuple(t.shape), t.dtype) for t in leaked]
-        assert all(r is not None and r() is None for r in recorders), "a recorder outlived its graph"
+        assert all(r is not None and r() is None for r in replayers), "a replayer outlived its graph"
     finally:
         gc.enable()
 

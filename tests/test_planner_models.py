@@ -126,9 +126,9 @@ def test_simulated_replay_only_memory_matches_the_engine():
                          for v, t in replayer.cache.items() if v not in replayer.pinned}.values()))
 
     loss = case.run(case.model)
-    rec = handle.blocks[1].last_recorder()
-    rec.replayer.unpack_log = order
-    rec.replayer.on_unpack = hook
+    replayer = handle.blocks[1].last_replayer()
+    replayer.unpack_log = order
+    replayer.on_unpack = hook
     with counter:
         loss.backward()
     g = block_graph(handle.tapes()[1], unpack_order=order)
