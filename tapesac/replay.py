@@ -100,6 +100,7 @@ def _clone_storage(t: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def _replay_mode():
+    """Grad and autocast off: the recorded overloads already carry the forward's casts (inv. 12)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         for dev in ("cpu", "cuda"):
