@@ -18,6 +18,7 @@ from torch import nn
 
 from .errors import PolicyError, TapeSACError
 from .recorder import Recorder, unpack_saved
+from .replay import Replayer, rebuildable
 
 _local = threading.local()
 
@@ -60,7 +61,8 @@ class BlockState:
             "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
             "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
         }
-        self.last_recorder: weakref.ref | None = None
+        self.last_replayer: weakref.ref | None = None
+        """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
         self.last_tape = None
         """The Tape of the last recorded forward (plain data, no tensors)."""
 
@@ -152,7 +154,7 @@ class BlockState:
             self.controller.after_forward(self, replayer)
         return out
 
-    def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> None:
+    def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> Replayer:
         if self.expected_signature is not None:
             fast = rec.tape.fast_key()
             sig = self.expected_signature if fast == self._verified_key else rec.tape.signature()
@@ -170,26 +172,23 @@ class BlockState:
             self.stats["signature"] = sig
         if self.on_record is not None:
             self.on_record(self, rec, args, kwargs)
-        replayer = rec.finalize()
+        tape = rec.tape
+        replayer = Replayer(rec.finalize())  # the recorder is done: replay owns the recording
         replayer.stats = self.stats
         s = self.stats
         s["passthrough"] = False
-        s["ops_recorded"] = len(rec.tape.ops)
+        s["ops_recorded"] = len(tape.ops)
         s["ops_in_closure"] = len(replayer.closure_ops)
-        s["values_read"] = len(rec.tape.read_vids())
+        s["values_read"] = len(tape.read_vids())
         s["kept_bytes"] = replayer.kept_bytes()
-        s["input_bytes"] = replayer.input_bytes(rec.owned_vids)
-        self.last_recorder = weakref.ref(rec)
-        self.last_tape = rec.tape
+        s["input_bytes"] = replayer.input_bytes()
+        self.last_replayer = weakref.ref(replayer)
+        self.last_tape = tape
         return replayer
 
 
 def _forget_keeps(rec: Recorder) -> None:
     """Drop the holds a keep set added, before the replayer is built: what is left is exactly
     what replay-only holds (externals, snapshots, outputs of keep-only ops, free views)."""
-    from .tape import PRODUCED
-
-    values, ops = rec.tape.values, rec.tape.ops
-    for vid in [v for v in rec.held if values[v].kind == PRODUCED and not values[v].free
-                and ops[values[v].op].keep_only is None]:
+    for vid in [v for v in rec.held if rebuildable(rec.tape, v)]:
         del rec.held[vid]

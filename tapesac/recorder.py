@@ -7,6 +7,11 @@ During a wrapped block's forward two things are active:
 * ``saved_tensors_hooks(recorder.pack, unpack_saved)``: a tensor the block produced is packed as
   a small :class:`Saved` handle instead of the tensor, so autograd does not keep it alive.
 
+When the forward returns, :meth:`Recorder.finalize` hands a plain :class:`Recording` (the tape and
+the few tensors backward needs) to a :class:`~tapesac.replay.Replayer`, which owns it from then
+on. Data flows one way: the handles reach the replayer through a :class:`ReplayLink`, never back
+into the recorder, which is dropped.
+
 Invariants the recorder keeps (each is relied on by replay):
 
 1. Tensors are mapped to values by identity (``id`` plus a weak reference), never by order.
@@ -19,11 +24,20 @@ Invariants the recorder keeps (each is relied on by replay):
    storage was written becomes a new value aliasing the written storage.
 5. Random ops carry their generator state, so replay draws the same numbers.
 6. Nothing here references autograd nodes: held tensors are detached, so no reference cycle
-   runs through the graph (pytorch#154642), and the tape holds no tensors at all.
+   runs through the graph (pytorch#154642), and the tape holds no tensors at all. Handles point
+   at a :class:`ReplayLink`, which points at the replayer and at nothing that points back.
+7. Autograd skips its saved-tensor version check when saved-tensor hooks are active, so TapeSAC
+   takes it over: every packed tensor carries the version it was saved at (checked at unpack with
+   autograd's message), and every held value that aliases a tensor outside the recording gets a
+   version carrier: a detach of the original made outside the dispatch mode (a detach made below
+   autograd gets a counter of its own), so replay can check it before reading it (replay's
+   invariant 11). A held value the block itself overwrites is copied or dropped (invariant 3)
+   and needs no carrier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -31,6 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ReplayError
+from .replay import modified_error
 from .ops import generator_for, keep_only_reason, op_info, written_tensors
 from .tape import EXTERNAL, PRODUCED, SNAPSHOT, Ref, Tape, TapeOp, flatten_outputs
 
@@ -42,28 +57,109 @@ def storage_alias(src: Tensor, dtype: torch.dtype, size: tuple, stride: tuple, o
     return torch.empty((0,), dtype=dtype, device=src.device).set_(src.untyped_storage(), offset, size, stride)
 
 
+class ReplayLink:
+    """What a forward's saved handles point at: its block, and its replayer once forward returned."""
+
+    __slots__ = ("block", "replayer")
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.replayer = None
+
+
 class Saved:
-    """What autograd stores instead of a block-produced tensor: the recording and the value."""
+    """What autograd stores instead of a block-produced tensor: the value, and what autograd's
+    version check needs (invariant 7)."""
 
-    __slots__ = ("recorder", "vid")
+    __slots__ = ("link", "vid", "family", "version", "final")
 
-    def __init__(self, recorder: "Recorder", vid: int) -> None:
-        self.recorder = recorder
+    def __init__(self, link: ReplayLink, vid: int, t: Tensor) -> None:
+        self.link = link
         self.vid = vid
+        base = t._base
+        self.family: Any = weakref.ref(t if base is None else base)
+        """During the forward, a weak reference to the saved tensor's view family (views share
+        their base's version counter and keep it alive); afterwards a storage-free tensor sharing
+        that counter, or None once nothing can write the family any more."""
+        self.version = t._version
+        self.final: int | None = None
+        """The family's version when it became unreachable (family is None)."""
+
+    def settle(self, tape: Tape, last_versions: dict[int, int]) -> None:
+        """Forward is done: keep the family's version counter, not its memory (invariant 7).
+
+        ``last_versions``: sid -> the version of the last value recorded in that storage.
+        """
+        family = self.family()
+        if family is not None:
+            self.family = version_carrier(family)
+        else:  # unreachable since before the forward returned: only the block could write it
+            self.family = None
+            self.final = last_versions[tape.values[self.vid].sid]
+
+
+def version_carrier(t: Tensor) -> Tensor:
+    """An empty tensor sharing ``t``'s version counter (call it outside the dispatch mode)."""
+    carrier = t.detach()
+    version = carrier._version
+    carrier.set_()  # drops the storage, and bumps the shared counter: put it back
+    torch._C._autograd._unsafe_set_version_counter((carrier,), (version,))
+    return carrier
+
+
+class AsIs:
+    """A saved tensor TapeSAC leaves as it is (inputs, parameters), with its version when saved."""
+
+    __slots__ = ("link", "tensor", "version")
+
+    def __init__(self, link: ReplayLink, t: Tensor) -> None:
+        self.link = link
+        self.tensor = t.detach()  # made at autograd level: shares t's version counter
+        self.version = t._version
 
 
 def unpack_saved(obj: Any) -> Any:
-    """The unpack hook: rebuild (or fetch) a packed value; tensors packed as-is pass through."""
-    if type(obj) is Saved:
-        replayer = obj.recorder.replayer
+    """The unpack hook: check the version as autograd would, then rebuild or fetch the value."""
+    kind = type(obj)
+    if kind is Saved:
+        replayer = obj.link.replayer
         if replayer is None:
             raise ReplayError(
-                f"TapeSAC block {obj.recorder.block}: backward asked for a saved value before the "
+                f"TapeSAC block {obj.link.block}: backward asked for a saved value before the "
                 "block's forward returned (autograd.grad inside the block's forward is not supported); "
                 "unwrap this block or move the inner backward out of it"
             )
+        family = obj.family
+        current = obj.final if family is None else family._version
+        if current is not None and current != obj.version:
+            v = replayer.tape.values[obj.vid]
+            raise modified_error(v.dtype, replayer.device, v.shape, current, obj.version, obj.link.block)
         return replayer.unpack(obj.vid)
+    if kind is AsIs:
+        t = obj.tensor
+        if t._version != obj.version:
+            raise modified_error(t.dtype, t.device, t.shape, t._version, obj.version, obj.link.block)
+        return t
     return obj
+
+
+@dataclasses.dataclass(eq=False)
+class Recording:
+    """One recorded block forward, handed from the recorder to replay, which then owns it."""
+
+    block: int
+    tape: Tape
+    held: dict[int, Tensor]
+    """vid -> detached tensor kept for backward (invariant 2)."""
+    versions: dict[int, tuple[Tensor, int]]
+    """vid -> (version carrier, version) for held values that alias tensors outside the recording
+    (invariant 7): replay checks the carrier's ``_version`` before it reads the value."""
+    owned_vids: set[int]
+    """Externals that are the block's own parameters and buffers (not counted as inputs)."""
+    debug_refs: dict[int, Tensor] | None
+    """Debug mode: vid -> the forward's tensor, to compare the replayed value with."""
+    link: ReplayLink
+    """What the forward's :class:`Saved` handles point at; the replayer binds itself to it."""
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
@@ -90,23 +186,33 @@ class Recorder(TorchDispatchMode):
         self.timer = timer
         """An :class:`~tapesac.profile.OpTimer` in profiling forwards, else None."""
         self.tape = Tape()
+        self.link = ReplayLink(block)
         self.held: dict[int, Tensor] = {}
         """vid -> detached tensor kept for backward (see invariant 2)."""
-        self.replayer = None
+        self._saved: list[Saved] = []
+        self._fresh: list[tuple[int, weakref.ref]] = []
+        """Held values of the op being recorded: (vid, weak ref to the original tensor)."""
+        self._originals: dict[int, Tensor] = {}
+        """vid -> the tensor a held value was detached from, until the forward returns: its
+        version carrier is made from it then (invariant 7)."""
         self.debug_refs: dict[int, Tensor] | None = {} if debug else None
         self._keep = keep or frozenset()
         self._owned = owned or set()
         """ids of the block's own parameters and buffers (not counted as inputs)."""
         self.owned_vids: set[int] = set()
-        self.watch: dict[int, tuple[weakref.ref, int]] = {}
-        """vid -> (weak ref to the original tensor, its version): held values that alias live
-        tensors. A detach made below autograd does not share the version counter, so the
-        original is watched instead (invariant 11)."""
         self._ids: dict[int, tuple[weakref.ref, int]] = {}
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         self._held_by_sid: dict[int, set[int]] = {}
         self._last_write: dict[int, int] = {}
         self._bypass = False
+        ref = weakref.ref(self)
+
+        def pack(t: Tensor) -> Any:
+            return ref()._pack(t)
+
+        self.pack = pack
+        """The pack hook. Autograd keeps it in every saved variable, so it refers to the recorder
+        weakly: the graph must not keep the recorder alive (invariant 6)."""
 
     # Identity maps --------------------------------------------------------------------------
 
@@ -135,7 +241,8 @@ class Recorder(TorchDispatchMode):
         return vid
 
     def _hold(self, vid: int, t: Tensor) -> None:
-        self.held[vid] = t
+        self.held[vid] = t.detach()
+        self._fresh.append((vid, weakref.ref(t)))
         self._held_by_sid.setdefault(self.tape.values[vid].sid, set()).add(vid)
 
     def _external(self, t: Tensor) -> int:
@@ -143,8 +250,7 @@ class Recorder(TorchDispatchMode):
         self.tape.external_sids.add(sid)
         vid = self.tape.add_value(-1, -1, EXTERNAL, t, t._version, sid)
         self._ids[id(t)] = (weakref.ref(t), vid)
-        self._hold(vid, t.detach())
-        self.watch[vid] = (weakref.ref(t), t._version)
+        self._hold(vid, t)
         if id(t) in self._owned:
             self.owned_vids.add(vid)
         return vid
@@ -172,7 +278,7 @@ class Recorder(TorchDispatchMode):
         if (idx, 0) in self._keep:
             self._bypass, bypass = True, self._bypass
             try:
-                self._hold(vid, t.detach())
+                self._hold(vid, t)
             finally:
                 self._bypass = bypass
         return vid
@@ -201,6 +307,9 @@ class Recorder(TorchDispatchMode):
         values = self.tape.values
         for vid in vids:
             v = values[vid]
+            # Either way the held value no longer aliases the tensor the caller sees: nothing to
+            # check its version against (invariant 7).
+            self._originals.pop(vid, None)
             if v.kind == PRODUCED and self.tape.ops[v.op].keep_only is None:
                 del self.held[vid]  # replayable: drop the hold, replay rebuilds this version
                 continue
@@ -215,6 +324,8 @@ class Recorder(TorchDispatchMode):
             kwargs = {}
         if self._bypass:
             return func(*args, **kwargs)
+        if self._fresh:
+            self._settle()
         info = op_info(func)
         deps: list[int] = []
         encode = self._encode
@@ -286,11 +397,24 @@ class Recorder(TorchDispatchMode):
         values = tape.values
         for slot, vid in enumerate(outs):
             if vid is not None and (keep_all or values[vid].free or (idx, slot) in keep):
-                t = tensors[slot]
-                self._hold(vid, t.detach())
-                if values[vid].free:
-                    self.watch[vid] = (weakref.ref(t), values[vid].version)
+                self._hold(vid, tensors[slot])
         return out
+
+    def _settle(self) -> None:
+        """Reference the originals of the last op's held values strongly, now that autograd has
+        finished making them (invariant 7).
+
+        A strong reference taken while the op is still being dispatched would make autograd wrap
+        a shallow copy instead of the tensor itself (``make_variable`` reuses a tensor only while
+        nothing else references it), and the caller would see an object the recorder never saw.
+        An original already gone is unreachable: no later write can change the held value.
+        """
+        originals, held = self._originals, self.held
+        for vid, ref in self._fresh:
+            t = ref()
+            if t is not None and vid in held:
+                originals[vid] = t
+        self._fresh = []
 
     def _write_value(self, idx: int, slot: int, t: Tensor, bumps: bool) -> int:
         sid = self._sid(t)
@@ -300,32 +424,39 @@ class Recorder(TorchDispatchMode):
 
     # Saved-tensor hook ----------------------------------------------------------------------
 
-    def pack(self, t: Tensor) -> Any:
+    def _pack(self, t: Tensor) -> Any:
         """Pack hook: block-produced values become handles; everything else is kept as is."""
         self._bypass = True
         try:
             vid = self._lookup(t)
             if vid is None:
-                return t.detach()
+                return AsIs(self.link, t)
             v = self.tape.values[vid]
             if v.kind != PRODUCED or v.free:
-                return t.detach()
+                return AsIs(self.link, t)
             v.reads += 1
             if self.debug_refs is not None:
                 self.debug_refs[vid] = t.detach()
-            return Saved(self, vid)
+            handle = Saved(self.link, vid, t)
+            self._saved.append(handle)
+            return handle
         finally:
             self._bypass = False
 
     # End of forward -------------------------------------------------------------------------
 
-    def finalize(self):
-        """Forward is done: drop identity maps and unneeded holds, and build the replayer."""
-        from .replay import Replayer
-
-        self._ids = {}
-        self._storages = {}
-        self._held_by_sid = {}
-        self._last_write = {}
-        self.replayer = Replayer(self)
-        return self.replayer
+    def finalize(self) -> Recording:
+        """Forward is done (call it outside the dispatch mode): hand over what backward needs."""
+        self._settle()
+        values = self.tape.values
+        last_versions = {v.sid: v.version for v in values}
+        for handle in self._saved:
+            handle.settle(self.tape, last_versions)
+        self._saved = []
+        # Outside the mode a detach shares the original's version counter (invariant 7).
+        versions = {vid: (t.detach(), values[vid].version) for vid, t in self._originals.items()}
+        recording = Recording(self.block, self.tape, self.held, versions, self.owned_vids,
+                              self.debug_refs, self.link)
+        self.held, self.debug_refs, self._originals = {}, None, {}
+        self._ids, self._storages, self._held_by_sid, self._last_write = {}, {}, {}, {}
+        return recording

@@ -2,16 +2,24 @@
 
 Invariants (numbered as in recorder.py's, continued):
 
-7. An unpack runs only the producer chain of the asked value that is not already available
+8. An unpack runs only the producer chain of the asked value that is not already available
    (held, or cached by an earlier unpack). Values backward never unpacks are never rebuilt.
-8. A rebuilt value stays cached exactly while something still needs it: pending unpacks of it, or
-   ops of the block's replay closure that read it and have not run. Then it is dropped.
-9. An in-place op is replayed on its own copy whenever the tensor it writes (or any alias of that
-   storage) is still needed by someone else, so no cached or held value is ever clobbered.
-10. Replay runs the recorded overloads with grad and autocast off; random ops restore their
-    recorded generator state and put the current one back afterwards.
-11. Held inputs and views of them must not have changed since the forward; if they did (an
-    in-place op after the block), the unpack fails with an error instead of computing garbage.
+   The chain's inputs taken from the cache are referenced by the chain itself while it runs.
+9. A rebuilt (or kept) value stays cached while something may still need it: pending unpacks of
+   it, or ops of the block's replay closure that read it and have not run; then it is dropped.
+   The counts start afresh for each graph task (``backward(retain_graph=True)`` twice, double
+   backward) and may only free early: correctness never depends on them, because everything
+   backward can ask for is rebuildable from the *pinned* values, which live as long as the
+   replayer (externals and keep-only outputs the producers of kept values need included).
+10. An in-place op is replayed on its own copy whenever the tensor it writes (or any alias of that
+    storage) is still needed by someone else, so no cached or held value is ever clobbered.
+11. A held value that aliases a tensor outside the recording (a block input or a view of one, a
+    parameter, a kept value the caller can reach) is checked against its version carrier
+    (recorder invariant 7) right before replay reads it, and only then: a kept value that changed
+    is dropped and rebuilt; a pinned one cannot be, and the unpack fails with autograd's message.
+12. Replay runs the recorded overloads with grad and autocast off; random ops restore their
+    recorded generator state and put the current one back afterwards. Double backward needs no
+    graph inside the replayed values: autograd reattaches each unpacked value's own grad edge.
 """
 
 from __future__ import annotations
@@ -26,9 +34,47 @@ from .errors import ReplayError
 from .tape import EXTERNAL, PRODUCED, Ref, TapeOp, flatten_outputs
 
 if TYPE_CHECKING:
-    from .recorder import Recorder
+    from .recorder import Recording
 
 Tensor = torch.Tensor
+
+AUTOGRAD_MODIFIED = ("one of the variables needed for gradient computation has been modified by an "
+                     "inplace operation")
+"""Autograd's own words for a saved tensor changed in place, so callers match one message."""
+
+_LEGACY_TYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+                 torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+                 torch.int64: "Long", torch.bool: "Bool"}
+
+
+def _type_string(dtype: torch.dtype, device: torch.device) -> str:
+    """The tensor type as autograd's message prints it (``torch.FloatTensor``, ``CPUBFloat16Type``)."""
+    legacy = _LEGACY_TYPES.get(dtype)
+    if legacy is not None and device.type in ("cpu", "cuda"):
+        return f"torch.{'cuda.' if device.type == 'cuda' else ''}{legacy}Tensor"
+    name = torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    return f"{device.type.upper()}{name}Type"
+
+
+def modified_error(dtype: torch.dtype, device: torch.device, shape: Any, current: int, expected: int,
+                   block: int, recomputes: str | None = None) -> ReplayError:
+    """Autograd's error for a saved tensor changed in place, raised by TapeSAC on its behalf.
+
+    ``recomputes`` says what replay rebuilds from the tensor, when autograd itself never reads it.
+    """
+    msg = (f"{AUTOGRAD_MODIFIED}: [{_type_string(dtype, device)} {list(shape)}] is at version "
+           f"{current}; expected version {expected} instead.")
+    if recomputes is None:
+        return ReplayError(
+            f"{msg} Hint: enable anomaly detection to find the operation that failed to compute its "
+            "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False). (Checked by "
+            f"TapeSAC block {block} for autograd, which cannot check tensors saved under its hooks.)"
+        )
+    return ReplayError(
+        f"{msg} TapeSAC block {block} recomputes saved values from this tensor ({recomputes}) in "
+        "backward, so it must not change between the block's forward and backward: clone it "
+        "before updating it in place, or update a copy."
+    )
 
 
 def _resolve(a: Any, lookup) -> Any:
@@ -54,6 +100,7 @@ def _clone_storage(t: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def _replay_mode():
+    """Grad and autocast off: the recorded overloads already carry the forward's casts (inv. 12)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         for dev in ("cpu", "cuda"):
@@ -62,53 +109,59 @@ def _replay_mode():
         yield
 
 
+def rebuildable(tape, vid: int) -> bool:
+    """Replay can make this value again: produced by a replayable op, aliasing no external."""
+    v = tape.values[vid]
+    return v.kind == PRODUCED and not v.free and tape.ops[v.op].keep_only is None
+
+
 class Replayer:
     """Replay state of one recorded forward; lives exactly as long as its saved handles."""
 
-    def __init__(self, rec: "Recorder") -> None:
-        tape = rec.tape
+    def __init__(self, recording: "Recording") -> None:
+        tape = recording.tape
         self.tape = tape
-        self.block = rec.block
+        self.block = recording.block
+        self.owned_vids = recording.owned_vids
         self.stats = None
         """The block's stats dict, updated in place while replaying (set by the wrapper)."""
         values = tape.values
-        held = rec.held
+        held = recording.held
         reads = tape.read_vids()
         self.closure_ops = tape.producer_closure(reads, held)
+        """Ops replay runs when every kept value is available (the plan's recompute)."""
         rc: Counter[int] = Counter()
         for vid in reads:
             rc[vid] += values[vid].reads
         for i in self.closure_ops:
             for d in tape.ops[i].deps:
                 rc[d] += 1
-        # Invariant 2 is now exact: hold only what is read or feeds the closure.
-        for vid in [v for v in held if v not in rc]:
-            del held[vid]
-        self.pinned: dict[int, Tensor] = {}
+        fixed = {vid for vid in held if not rebuildable(tape, vid)}
+        # Invariant 9: a kept value may be dropped and asked for again, so pin what rebuilding
+        # everything backward reads without any kept value needs.
+        needed = set(reads)
+        for i in tape.producer_closure(reads, fixed):
+            needed.update(tape.ops[i].deps)
+        self.pinned: dict[int, Tensor] = {vid: held[vid] for vid in fixed if vid in needed}
         """Held values replay cannot rebuild (externals, snapshots, keep-only outputs, free views)."""
-        self.kept: dict[int, Tensor] = {}
-        """Held values replay could rebuild; kept by the policy, dropped at their last use (as
-        the cache drops rebuilt ones), or at the end of the pass."""
-        for vid, t in held.items():
-            v = values[vid]
-            if v.kind == PRODUCED and not v.free and tape.ops[v.op].keep_only is None:
-                self.kept[vid] = t
-            else:
-                self.pinned[vid] = t
-        held.clear()
-        self._watch = {vid: w for vid, w in rec.watch.items() if vid in self.pinned}
-        rec.watch = {}
-        self.debug_refs = rec.debug_refs
-        rec.debug_refs = None
+        self.kept: dict[int, Tensor] = {vid: t for vid, t in held.items() if vid not in fixed and vid in rc}
+        """Held values replay could rebuild; kept by the policy and dropped at their last use, as
+        the cache drops rebuilt ones."""
+        self._versions = {vid: w for vid, w in recording.versions.items()
+                          if vid in self.pinned or vid in self.kept}
+        """vid -> (version carrier, version) of held values that alias outside tensors (inv. 11)."""
+        self.debug_refs = recording.debug_refs
+        self.device = next(iter(held.values())).device if held else torch.device("cpu")
+        """Where the block ran (for messages)."""
         self._rc0 = dict(rc)
-        self._reads0 = sum(values[v].reads for v in reads)
         self.rc = dict(rc)
         self.cache: dict[int, Tensor] = dict(self.pinned)
         self.cache.update(self.kept)
-        self._reads_left = self._reads0
-        self._pass_started = False
+        self._task: int | None = None
+        """The graph task of the current pass (invariant 9); None before the first unpack."""
         self.on_unpack = None
         """Memory tracing: called with the value's id at the start of every unpack."""
+        recording.link.replayer = self  # the handles reach the replayer; nothing here points back
 
     # Accounting -------------------------------------------------------------------------------
 
@@ -123,59 +176,75 @@ class Replayer:
             seen[_storage_ptr(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
-    def input_bytes(self, owned_vids: set[int]) -> int:
+    def input_bytes(self) -> int:
         """Bytes of distinct non-parameter external storages held (the block's checkpoint)."""
         seen: dict[int, int] = {}
         values = self.tape.values
         for vid, t in self.pinned.items():
             v = values[vid]
-            if v.kind == EXTERNAL and vid not in owned_vids:
+            if v.kind == EXTERNAL and vid not in self.owned_vids:
                 seen[_storage_ptr(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
     # Unpack -----------------------------------------------------------------------------------
 
-    def _new_pass(self) -> None:
-        """Every saved value was unpacked once (or this is the first unpack): reset the counts."""
+    def _new_pass(self, task: int) -> None:
+        """A graph task's first unpack: the counts start again (invariant 9)."""
+        self._task = task
         self.rc = dict(self._rc0)
-        self._reads_left = self._reads0
-        self._pass_started = True
-        for vid, (ref, version) in self._watch.items():
-            t = ref()
-            if t is not None and t._version != version:
-                raise ReplayError(
-                    f"TapeSAC block {self.block}: a tensor the block read (value %{vid}, shape "
-                    f"{list(t.shape)}) was modified in place after the block's forward, so the "
-                    "block cannot be recomputed. Avoid in-place updates of block inputs or "
-                    "parameters between forward and backward."
-                )
         if self.stats is not None:
             self.stats["ops_replayed"] = 0
             self.stats["recomputed_bytes"] = 0
 
     def unpack(self, vid: int) -> Tensor:
-        if not self._pass_started or self._reads_left <= 0:
-            self._new_pass()
+        task = torch._C._current_graph_task_id()
+        if task != self._task or self._task is None:
+            self._new_pass(task)
         if self.on_unpack is not None:
             self.on_unpack(vid)
-        t = self.cache.get(vid)
+        t = self._available(vid)
         if t is None:
             t = self._materialize(vid)
-        self._reads_left -= 1
         self._release(vid)
-        if self._reads_left <= 0:
-            # The pass is over: kept values go too (a retained graph's next pass rebuilds them).
-            self.kept.clear()
         if self.debug_refs is not None:
             self._check(vid, t)
         return t
+
+    def _available(self, vid: int) -> Tensor | None:
+        """The cached value, if it is still what the forward made (invariant 11)."""
+        t = self.cache.get(vid)
+        if t is None:
+            return None
+        w = self._versions.get(vid)
+        if w is not None and w[0]._version != w[1]:
+            if vid in self.kept:  # changed by the caller after forward: make it again
+                self._drop(vid)
+                return None
+            raise self._modified(vid, w[0], w[1])
+        return t
+
+    def _modified(self, vid: int, carrier: Tensor, version: int) -> ReplayError:
+        v = self.tape.values[vid]
+        if v.kind == EXTERNAL:
+            what = "a block input, parameter or buffer"
+        elif v.free:
+            what = f"a view of a block input made by op {v.op} ({self.tape.op_name(v.op)})"
+        else:
+            what = f"the output of op {v.op} ({self.tape.op_name(v.op)}), which is never recomputed"
+        return modified_error(v.dtype, carrier.device, v.shape, carrier._version, version, self.block,
+                              recomputes=f"value %{vid}, {what}")
+
+    def _drop(self, vid: int) -> None:
+        """Forget a value that is not pinned; what is needed again is rebuilt (invariant 9)."""
+        self.cache.pop(vid, None)
+        if self.kept.pop(vid, None) is not None:
+            self._versions.pop(vid, None)
 
     def _release(self, vid: int) -> None:
         n = self.rc.get(vid, 0) - 1
         self.rc[vid] = n
         if n <= 0 and vid not in self.pinned:
-            self.cache.pop(vid, None)
-            self.kept.pop(vid, None)
+            self._drop(vid)
 
     def _check(self, vid: int, t: Tensor) -> None:
         ref = self.debug_refs.pop(vid, None)
@@ -194,20 +263,26 @@ class Replayer:
         tape = self.tape
         ops = tape.ops
         values = tape.values
-        cache = self.cache
+        local: dict[int, Tensor] = {}
+        """This chain's values still to be read: its inputs from the cache (invariant 8) and what
+        it made."""
         to_run: set[int] = set()
         seen: set[int] = set()
         stack = [vid]
         while stack:
             u = stack.pop()
-            if u in seen or u in cache:
+            if u in seen:
                 continue
             seen.add(u)
+            t = self._available(u)
+            if t is not None:
+                local[u] = t
+                continue
             v = values[u]
             if v.kind != PRODUCED or v.op < 0 or ops[v.op].keep_only is not None:
                 raise ReplayError(
                     f"TapeSAC block {self.block}: value %{u} is needed again but is neither held nor "
-                    "replayable (a second backward through a graph whose held inputs were released?)"
+                    "replayable. This is a bug in TapeSAC (invariant 9): please report it with the block"
                 )
             if v.op not in to_run:
                 to_run.add(v.op)
@@ -216,7 +291,6 @@ class Replayer:
         pending: Counter[int] = Counter()
         for i in order:
             pending.update(ops[i].deps)
-        local: dict[int, Tensor] = {}
         with _replay_mode():
             for i in order:
                 self._run(ops[i], local, pending, vid)
@@ -225,11 +299,7 @@ class Replayer:
     def _run(self, op: TapeOp, local: dict[int, Tensor], pending: Counter, target: int) -> None:
         """Run one op of an unpack's chain; ``local`` holds this chain's values still to be read."""
         cache = self.cache
-
-        def lookup(vid: int) -> Tensor:
-            t = local.get(vid)
-            return t if t is not None else cache[vid]
-
+        lookup = local.__getitem__
         args = [_resolve(a, lookup) for a in op.args]
         kwargs = {k: _resolve(a, lookup) for k, a in op.kwargs.items()} if op.kwargs else {}
         for d in op.deps:
@@ -249,10 +319,9 @@ class Replayer:
             if copy is not None:
                 _swap(args, kwargs, t, copy)
                 t = copy
-            else:  # written in place: the old version is gone (invariant 9 said nobody needs it)
+            else:  # written in place: the old version is gone (invariant 10 said nobody needs it)
                 local.pop(before, None)
-                cache.pop(before, None)
-                self.kept.pop(before, None)
+                self._drop(before)
             write_out[after] = t
 
         if op.rng is not None:
@@ -279,21 +348,20 @@ class Replayer:
                 t = flat[slot]
             if pending[vid] > 0 or vid == target:
                 local[vid] = t
-            if rc.get(vid, 0) > 0:
+            if rc.get(vid, 0) > 0 and vid not in self.pinned:
                 cache[vid] = t
         pinned = self.pinned
         for d in op.deps:
             n = rc.get(d, 0) - 1
             rc[d] = n
             if n <= 0 and d not in pinned:
-                cache.pop(d, None)
-                self.kept.pop(d, None)
+                self._drop(d)
             if pending[d] <= 0 and d != target:
                 local.pop(d, None)
 
     def _shared(self, vid: int, t: Tensor, local: dict, pending: Counter) -> bool:
-        """Invariant 9: would writing ``t`` in place clobber something still needed?"""
-        if vid in self.pinned or self.rc.get(vid, 0) > 1 or pending[vid] > 0:
+        """Invariant 10: would writing ``t`` in place clobber something still needed?"""
+        if vid in self.pinned or vid in self.kept or self.rc.get(vid, 0) > 1 or pending[vid] > 0:
             return True
         ptr = _storage_ptr(t)
         for other in (self.cache, local):

@@ -121,7 +121,7 @@ def test_nothing_recorded_or_recomputed_survives_backward_without_gc(kind):
             loss = case.run(case.model)
             loss.backward()
         del loss
-        recorders = [s.last_recorder for s in handle.blocks]
+        replayers = [s.last_replayer for s in handle.blocks]
         grads_ = {id(p.grad) for p in case.model.parameters() if p.grad is not None}
         grads_ |= {id(x.grad) for x in case.inputs}
         alive = [r() for r in tracker.refs if r() is not None]
@@ -132,7 +132,7 @@ def test_nothing_recorded_or_recomputed_survives_backward_without_gc(kind):
         owned |= {x.untyped_storage().data_ptr() for x in case.inputs}
         leaked = [t for t in alive if t.untyped_storage().data_ptr() not in owned]
         assert not leaked, [(tuple(t.shape), t.dtype) for t in leaked]
-        assert all(r is not None and r() is None for r in recorders), "a recorder outlived its graph"
+        assert all(r is not None and r() is None for r in replayers), "a replayer outlived its graph"
     finally:
         gc.enable()
 
@@ -220,3 +220,23 @@ def test_debug_mode_catches_a_nondeterministic_replay(monkeypatch):
     with pytest.raises(tapesac.ReplayError, match="differs from the forward"):
         grads(case)
     handle.remove()
+
+
+def test_recording_flows_one_way_and_forms_no_cycles():
+    """The recorder is gone once forward returns; what backward needs dies with the graph, no gc."""
+    case = CASES["square"]()
+    handle = tapesac.wrap(case.blocks)
+    recorders: list[weakref.ref] = []
+    for s in handle.blocks:
+        s.on_record = lambda state, rec, args, kwargs: recorders.append(weakref.ref(rec))
+    gc.collect()
+    gc.disable()
+    try:
+        loss = case.run(case.model)
+        assert len(recorders) == 2 and all(r() is None for r in recorders), "a Saved handle holds the recorder"
+        replayers = [s.last_replayer for s in handle.blocks]
+        assert all(r() is not None for r in replayers)
+        del loss  # no backward: the graph and everything it saved go at once
+        assert all(r() is None for r in replayers), "a reference cycle keeps a replayer alive"
+    finally:
+        gc.enable()

@@ -123,7 +123,7 @@ def test_simulated_replay_only_memory_matches_the_engine():
     seen: list[float] = []
 
     loss = case.run(case.model)
-    replayer = handle.blocks[1].last_recorder().replayer
+    replayer = handle.blocks[1].last_replayer()
 
     def hook(vid):
         order.append(vid)
