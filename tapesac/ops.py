@@ -47,6 +47,10 @@ class OpInfo:
     index_like: bool = False
     """Advanced indexing: data-dependent only when an index is a boolean mask (see
     :func:`keep_only_reason`)."""
+    view_of: int | None = None
+    """For a view op (every return aliases one argument without writing it): that argument's
+    position. Autograd gives the views it returns that argument's version counter, after the
+    dispatcher has returned them."""
 
 
 _CACHE: dict[Any, OpInfo] = {}
@@ -87,7 +91,30 @@ def _analyse(func: Any) -> OpInfo:
         random=torch.Tag.nondeterministic_seeded in tags,
         keep_only=keep_only,
         index_like=schema.name in _INDEX_OPS,
+        view_of=_view_of(schema),
     )
+
+
+def _view_of(schema: Any) -> int | None:
+    """The argument every return of a view op aliases (``Tensor(a) self -> Tensor(a)``), or None."""
+    if not schema.returns:
+        return None
+    sets = []
+    for r in schema.returns:
+        if r.alias_info is None or r.alias_info.is_write:
+            return None
+        sets.append(set(r.alias_info.before_set))
+    if sets == [set()]:  # ``Tensor(a)[]``: the alias set sits on the list's elements, unseen here;
+        # such views (unbind, split, chunk) mark their argument ``Tensor(a -> *)``.
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and not a.alias_info.is_write and "*" in a.alias_info.after_set:
+                return i
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and not a.alias_info.is_write and all(
+                s & set(a.alias_info.before_set) for s in sets):
+            return i
+    return None
 
 
 # Advanced indexing is tagged dynamic-shape because a boolean mask makes the output size depend

@@ -172,6 +172,11 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
     return None
 
 
+def _version_of(args: tuple, pos: int, default: Tensor) -> int:
+    base = args[pos] if pos < len(args) else None
+    return base._version if isinstance(base, Tensor) else default._version
+
+
 def _copy(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.preserve_format)
 
@@ -377,7 +382,9 @@ class Recorder(TorchDispatchMode):
                 vid = self._write_value(idx, len(outs), o, w[1] and not info.inplace_view)
                 writes.append((w[2], vid))
             else:
-                vid = self._produced(idx, len(outs), o, o._version, self._sid(o))
+                # A view's own counter still reads 0 here; autograd then shares its base's.
+                version = o._version if info.view_of is None else _version_of(args, info.view_of, o)
+                vid = self._produced(idx, len(outs), o, version, self._sid(o))
             outs.append(vid)
             tensors.append(o)
         op.n_returned = len(outs)

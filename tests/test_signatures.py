@@ -238,11 +238,6 @@ def test_recorded_input_shape_and_dtype_are_in_the_signature():
     _differ(base, _record(copy.deepcopy(block).double(), torch.randn(2, 4, 8, dtype=torch.float64)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recorder.py records a view op's output version from the fresh counter it has below autograd "
-    "(0); autograd then shares the base's counter, so a view of a parameter whose version is not 0 "
-    "is re-read as a new external. Fix: Recorder.__torch_dispatch__ records a view output's version "
-    "as the aliased input's _version; then remove this marker."))
 def test_parameter_version_is_not_in_the_signature():
     torch.manual_seed(0)
     block = copy.deepcopy(ItemScaleBlock())  # deep-copied parameters start at version 0
