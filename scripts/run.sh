@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc_per_node=2 \
+exec "$(bash scripts/python.sh)" -m torch.distributed.run --standalone --nproc_per_node=2 \
   -m torchtitan.train --job.config_file train_configs/llama3_debug_cpu.toml "$@"

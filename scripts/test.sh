@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -n 2 -q "$@"
+exec "$(bash scripts/python.sh)" -m pytest -n 2 -q "$@"
