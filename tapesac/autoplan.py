@@ -348,7 +348,7 @@ class AutoPlanner:
         step.forwards += 1
         if step.forwards == 10_000 and not self._warned_no_boundary and self.steps == 0:
             self._warned_no_boundary = True
-            log.warning("TapeSAC planned mode: 10000 block forwards and no step boundary yet. Steps "
+            self._log(logging.WARNING, "TapeSAC planned mode: 10000 block forwards and no step boundary yet. Steps "
                         "end at optimizer.step() of an optimizer over the blocks' parameters, or "
                         "at handle.step(); call handle.step() once per step if you step otherwise")
         ik = input_key(args, kwargs or {})
@@ -385,6 +385,11 @@ class AutoPlanner:
         would keep) and the step is marked; the plan is dropped on every rank at the step's end."""
         self._step.mismatch = True
         return True
+
+    def _log(self, level: int, msg: str, *args: Any) -> None:
+        """Rank 0 speaks for every rank: decisions are the same everywhere (see the module doc)."""
+        if tdist.rank(self.group) == 0:
+            log.log(level, msg, *args)
 
     def _fail(self, error: TapeSACError):
         """End planned mode with ``error`` (the same on every rank)."""
@@ -431,7 +436,7 @@ class AutoPlanner:
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
         if mismatch and active is not None and active.key in self.plans:
-            log.warning("TapeSAC: a block's tape differs from the one its plan was made for (the "
+            self._log(logging.WARNING, "TapeSAC: a block's tape differs from the one its plan was made for (the "
                         "program or a saved policy changed); dropping the plan and profiling again")
             del self.plans[active.key]
             active = None
@@ -496,12 +501,12 @@ class AutoPlanner:
         if n >= self.config.max_profile_failures:
             self._give_up(key, f"profiling failed {n} times ({why})")
         else:
-            log.warning("TapeSAC: profile discarded (%s); trying again", why)
+            self._log(logging.WARNING, "TapeSAC: profile discarded (%s); trying again", why)
 
     def _give_up(self, key: str, why: str) -> None:
         if key not in self._unplannable:
             self._unplannable[key] = why
-            log.warning("TapeSAC: steps with these input shapes run replay-only: %s", why)
+            self._log(logging.WARNING, "TapeSAC: steps with these input shapes run replay-only: %s", why)
 
     def _plan_profiled(self, key: str, step: _StepState, memory: StepMemory) -> None:
         group = self.group
@@ -557,7 +562,7 @@ class AutoPlanner:
             if first:
                 self._stop_trace()
                 self._fail(PlanError(value))
-            log.warning("TapeSAC: no plan fits the tightened limit %s (%s); this step shape runs "
+            self._log(logging.WARNING, "TapeSAC: no plan fits the tightened limit %s (%s); this step shape runs "
                         "replay-only, the smallest peak there is", fmt_bytes(limit), value)
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
             entry.plan, entry.verified = None, False
@@ -568,7 +573,7 @@ class AutoPlanner:
         entry.verified = not cfg.verify
         a = value.allocation
         kept = sum(p.memory for p in a.points.values())
-        log.info(
+        self._log(logging.INFO, 
             "TapeSAC plan: limit %s, predicted peak %s (smallest possible %s), keeps %s, recompute "
             "%.1f ms/step, %d kind(s) of block, %s, solved in %.2f s",
             fmt_bytes(limit), fmt_bytes(a.predicted_peak_bytes), fmt_bytes(value.smallest_peak_bytes),
@@ -586,24 +591,24 @@ class AutoPlanner:
         self.history.append({"step": self.steps, "step_key": entry.key, "limit_bytes": limit,
                              "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
                              "measured_peak_bytes": measured})
-        log.info("TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
+        self._log(logging.INFO, "TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
                  fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True
         if measured <= limit:
             return
         if entry.graphs is None:  # a loaded policy overshoots: profile and plan afresh
-            log.warning("TapeSAC: the loaded policy exceeds the limit; profiling again")
+            self._log(logging.WARNING, "TapeSAC: the loaded policy exceeds the limit; profiling again")
             del self.plans[entry.key]
             return
         entry.replans += 1
         if entry.replans > self.config.max_replans:
-            log.warning("TapeSAC: still over the limit after %d re-plans; this step shape runs replay-only",
+            self._log(logging.WARNING, "TapeSAC: still over the limit after %d re-plans; this step shape runs replay-only",
                         self.config.max_replans)
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
             return
         overshoot = measured - (predicted if predicted is not None else measured)
         tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit
-        log.warning("TapeSAC: measured peak over the limit by %s; re-planning for %s",
+        self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s; re-planning for %s",
                     fmt_bytes(measured - limit), fmt_bytes(tighter))
         self._solve(entry, tighter, first=False)
 
@@ -627,7 +632,7 @@ class AutoPlanner:
                     payload = ("ignored", str(e))
         kind, value = tdist.broadcast(payload, self.group)
         if kind == "ignored":
-            log.warning("TapeSAC: ignoring policy file %s (%s); profiling instead", path, value)
+            self._log(logging.WARNING, "TapeSAC: ignoring policy file %s (%s); profiling instead", path, value)
         elif kind == "policy":
             policy = Policy.from_json(value)
             keys = policy.meta["input_keys"]
@@ -636,7 +641,7 @@ class AutoPlanner:
                              verified=not self.config.verify)
             self.plans[entry.key] = entry
             self.loaded_policy = True
-            log.info("TapeSAC: loaded policy %s (checked against the recorded tapes)", path)
+            self._log(logging.INFO, "TapeSAC: loaded policy %s (checked against the recorded tapes)", path)
 
     def _check_loaded(self, policy: Policy) -> None:
         requested = policy.meta.get("limit_requested_bytes", policy.limit_bytes)
