@@ -24,7 +24,8 @@ from torch import nn
 
 from . import distributed as tdist
 from .errors import PlanError, PolicyError
-from .memory import MemoryTrace, StepMemory, fmt_bytes, meter_for
+from .memory import MemoryTrace, StepMemory, fmt_bytes
+from .meter import meter_for
 from .planner import Plan, make_plan
 from .policy import Policy
 from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
