@@ -1,10 +1,30 @@
-"""Measuring memory on any device: a storage-counting dispatch mode.
+"""Measuring memory on any device: allocator statistics on CUDA, a storage counter on CPU.
 
-On CUDA the caching allocator's statistics are the ground truth; on CPU there is none, so
-:class:`StorageCounter` counts the bytes of every storage that ops create while it is active
-and notices their release through weak references (storages keep one Python object for their
-whole life, so the reference dies exactly when the storage is freed). It sees what the
-dispatcher sees: everything ATen allocates for tensors, not allocator caching or workspace.
+On CUDA the caching allocator's statistics are the ground truth. On CPU there are none, so
+:class:`StorageCounter` counts the bytes of tensor storages while it is active.
+
+What the counter sees:
+
+* every storage an ATen op returns while the counter is on the dispatch mode stack (an output
+  whose storage is none of the op's inputs'), from its creation until its Python object dies
+  (storages keep one Python object for their whole life, so a weak reference dies exactly when
+  the storage is freed);
+* every in-place storage resize (``UntypedStorage.resize_``, which the dispatcher never sees),
+  including storages it has not seen before: a storage that grows while the counter is active
+  counts its growth from then on, and a shrink of a counted storage is uncounted. This is how
+  FSDP2 unshards (``resize_(n)`` of a storage made once, then an all-gather copied into it) and
+  reshards (``resize_(0)``);
+* storages that existed before it started only if handed to :meth:`StorageCounter.track`.
+
+What it does not see (an allocator-level meter, e.g. the profiler's ``[memory]`` events, does):
+
+* the allocator's own behaviour: caching, rounding and fragmentation (it counts requested bytes);
+* allocations that are never a dispatched op's output: workspace and temporaries inside a
+  kernel, staging buffers inside a collective's implementation (gloo, NCCL), memory that
+  libraries outside ATen allocate (numpy, Python objects);
+* ops dispatched while it is not on the current thread's mode stack;
+* tensor subclasses whose storage cannot be read (a DTensor output is counted through the plain
+  local tensors its ops create, not as itself).
 """
 
 from __future__ import annotations
@@ -13,10 +33,22 @@ import weakref
 from typing import Iterable
 
 import torch
+import torch.utils._python_dispatch as python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import TapeSACError
 from .tape import flatten_outputs
 
+
+# Storage counting --------------------------------------------------------------------------------
+#
+# Invariants the counter keeps:
+#   1. Leaving removes exactly this counter from the dispatch mode stack, wherever it is; modes
+#      entered after it (a FlopCounterMode around a step, a second counter) stay, in order.
+#   2. Its own bookkeeping runs no ops, so no other mode below it sees (or counts) anything the
+#      counter does; two active counters each count every real allocation once.
+#   3. A storage is counted at most once per counter, under the bytes this counter attributes to
+#      it (``_sizes``); its release or shrink subtracts exactly those bytes.
 
 _active_counters: list["StorageCounter"] = []
 _original_resize = None
@@ -31,74 +63,102 @@ def _counting_resize(storage, size):
     return out
 
 
+def _install_resize_hook() -> None:
+    global _original_resize, _own_resize
+    _own_resize = "resize_" in torch.UntypedStorage.__dict__
+    _original_resize = torch.UntypedStorage.resize_
+    torch.UntypedStorage.resize_ = _counting_resize
+
+
+def _remove_resize_hook() -> None:
+    if _own_resize:
+        torch.UntypedStorage.resize_ = _original_resize
+    else:
+        del torch.UntypedStorage.resize_
+
+
 class StorageCounter(TorchDispatchMode):
     """Counts live bytes of tracked storages: current, peak, and the total ever allocated.
 
     Storages that existed before the mode was entered count only if passed to :meth:`track`
-    (parameters, gradients, optimizer state). ``mark()`` starts a new peak window. In-place
-    storage resizes (FSDP2 frees and re-gathers unsharded parameters with
-    ``untyped_storage().resize_()``, which the dispatcher never sees) are counted too.
+    (parameters, gradients, optimizer state), or from the moment they grow through
+    ``UntypedStorage.resize_``. ``mark()`` starts a new peak window. See the module docstring
+    for what it sees and what it does not.
+
+    It may be entered at one step boundary and exited at a later one, with other dispatch modes
+    entered and exited in between: exiting takes only this counter off the stack (invariant 1).
     """
-
-    def __enter__(self):
-        global _original_resize, _own_resize
-        if not _active_counters:
-            _own_resize = "resize_" in torch.UntypedStorage.__dict__
-            _original_resize = torch.UntypedStorage.resize_
-            torch.UntypedStorage.resize_ = _counting_resize
-        _active_counters.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            _active_counters.remove(self)
-            if not _active_counters:
-                if _own_resize:
-                    torch.UntypedStorage.resize_ = _original_resize
-                else:
-                    del torch.UntypedStorage.resize_
-
-    def _resized(self, st: torch.UntypedStorage, before: int) -> None:
-        key = id(st)
-        ref = self._refs.get(key)
-        if ref is None or ref() is not st:
-            return
-        after = st.nbytes()
-        self._sizes[key] = after
-        self.live_bytes += after - before
-        if after > before:
-            self.allocated_bytes += after - before
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
 
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self.allocated_bytes = 0
-        """Sum of the sizes of all storages created while active (never decreases)."""
+        """Sum of the sizes of all storages created, and of all growth, while active (never
+        decreases)."""
         self._refs: dict[int, weakref.ref] = {}
         self._sizes: dict[int, int] = {}
+        """Bytes this counter attributes to each counted storage (id -> bytes)."""
+
+    def __enter__(self):
+        if not _active_counters:
+            _install_resize_hook()
+        _active_counters.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            if python_dispatch._get_current_dispatch_mode() is self:
+                return super().__exit__(*exc)
+            _leave_dispatch_stack(self)  # invariant 1
+            return None
+        finally:
+            if self in _active_counters:  # not when left twice (an error above)
+                _active_counters.remove(self)
+                if not _active_counters:
+                    _remove_resize_hook()
+
+    # Bookkeeping (invariant 2: no torch ops in here) --------------------------------------------
+
+    def _count(self, st: torch.UntypedStorage, nbytes: int, new: bool) -> None:
+        key = id(st)
+        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
+        self._sizes[key] = nbytes
+        self._grow(nbytes, new)
+
+    def _grow(self, nbytes: int, new: bool) -> None:
+        self.live_bytes += nbytes
+        if new:
+            self.allocated_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def _counted(self, st: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(id(st))
+        return ref is not None and ref() is st
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
 
     def _add(self, st: torch.UntypedStorage, new: bool) -> None:
-        key = id(st)
-        ref = self._refs.get(key)
-        if ref is not None and ref() is st:
+        if not self._counted(st):  # invariant 3
+            self._count(st, st.nbytes(), new)
+
+    def _resized(self, st: torch.UntypedStorage, before: int) -> None:
+        if not self._counted(st):  # only storages already counted are followed
             return
-        n = st.nbytes()
-        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
-        self._sizes[key] = n
-        self.live_bytes += n
-        if new:
-            self.allocated_bytes += n
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+        key = id(st)
+        after = st.nbytes()
+        self._sizes[key] = after
+        if after > before:
+            self._grow(after - before, new=True)
+        else:
+            self.live_bytes -= before - after
+
+    def counted_bytes(self, st: torch.UntypedStorage) -> int:
+        """Bytes of ``st`` this counter counts as live now (0 for a storage it does not count)."""
+        return self._sizes[id(st)] if self._counted(st) else 0
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count already-existing tensors (their storages, once each) as live."""
@@ -137,6 +197,44 @@ def _tensor_args(args: tuple, kwargs: dict):
             yield a
         elif isinstance(a, (list, tuple)):
             yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _leave_dispatch_stack(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off the dispatch mode stack from below other modes, which stay in order.
+
+    ``TorchDispatchMode.__exit__`` pops whatever is on top and restores flags (is any mode
+    active, any non-infra mode, ...) that each mode saved when it was entered; both assume
+    last-in, first-out. Here the modes above ``mode`` are popped, ``mode`` is popped, and they are
+    pushed back; the flags ``mode`` saved pass to the first mode above it, and those above are
+    recomputed, so that each restores, on its own exit, what the stack without ``mode`` implies.
+    """
+    depth = python_dispatch._len_torch_dispatch_stack()
+    if not any(python_dispatch._get_dispatch_stack_at(i) is mode for i in range(depth)):
+        raise TapeSACError(f"{type(mode).__name__} left twice, or left on another thread than it "
+                           "was entered on: it is not on this thread's dispatch mode stack")
+    above = []
+    while (top := python_dispatch._pop_torch_dispatch_stack(None)) is not mode:
+        above.append(top)
+    above.reverse()
+    for m in above:
+        python_dispatch._push_on_torch_dispatch_stack(m)
+
+    # What the stack below ``mode`` implied when it was entered, then each mode above folded in.
+    in_mode = mode.old_dispatch_mode_flags.pop()
+    non_infra = mode.old_non_infra_dispatch_mode_flags.pop()
+    without_ignore = mode.old_without_ignore_compile_internals_dispatch_mode_flags.pop()
+    for m in above:
+        if getattr(m, "old_dispatch_mode_flags", None):  # entered through TorchDispatchMode.__enter__
+            m.old_dispatch_mode_flags[-1] = in_mode
+            m.old_non_infra_dispatch_mode_flags[-1] = non_infra
+            m.old_without_ignore_compile_internals_dispatch_mode_flags[-1] = without_ignore
+        in_mode = True
+        non_infra = non_infra or not m.is_infra_mode()
+        without_ignore = without_ignore or not m.ignore_compile_internals()
+    python_dispatch._is_in_torch_dispatch_mode = in_mode
+    python_dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
+    python_dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
+    python_dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
 
 
 # Meters ------------------------------------------------------------------------------------------
@@ -190,4 +288,5 @@ class CpuMeter:
 
 
 def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):
+    """The meter for ``device``: allocator statistics on CUDA, a :class:`CpuMeter` elsewhere."""
     return CudaMeter(device) if device.type == "cuda" else CpuMeter(track)
