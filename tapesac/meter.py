@@ -8,7 +8,7 @@ What the counter sees:
 * every storage an ATen op returns while the counter is on the dispatch mode stack (an output
   whose storage is none of the op's inputs'), from its creation until its Python object dies
   (storages keep one Python object for their whole life, so a weak reference dies exactly when
-  the storage is freed);
+  the storage is freed), on whatever thread that happens, also after the counter has stopped;
 * every in-place storage resize (``UntypedStorage.resize_``, which the dispatcher never sees),
   including storages it has not seen before: a storage that grows while the counter is active
   counts its growth from then on, and a shrink of a counted storage is uncounted. This is how
@@ -16,25 +16,28 @@ What the counter sees:
   reshards (``resize_(0)``);
 * storages that existed before it started only if handed to :meth:`StorageCounter.track`.
 
-What it does not see (an allocator-level meter, e.g. the profiler's ``[memory]`` events, does):
+What it does not see (an allocator-level meter, e.g. the profiler's ``[memory]`` events, does,
+though those miss frees on threads the profiler does not follow, such as gloo's workers):
 
 * the allocator's own behaviour: caching, rounding and fragmentation (it counts requested bytes);
 * allocations that are never a dispatched op's output: workspace and temporaries inside a
   kernel, staging buffers inside a collective's implementation (gloo, NCCL), memory that
   libraries outside ATen allocate (numpy, Python objects);
-* ops dispatched while it is not on the current thread's mode stack;
-* tensor subclasses whose storage cannot be read (a DTensor output is counted through the plain
-  local tensors its ops create, not as itself).
+* ops dispatched while it is not on the current thread's mode stack (the stack is thread
+  local; autograd carries it into its own threads);
+* a wrapper subclass's own storage (a DTensor's has its global size and no data): it counts the
+  storages of the inner tensors instead (a DTensor's local shard).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Iterable
 
 import torch
 import torch.utils._python_dispatch as python_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .errors import TapeSACError
 from .tape import flatten_outputs
@@ -49,6 +52,8 @@ from .tape import flatten_outputs
 #      counter does; two active counters each count every real allocation once.
 #   3. A storage is counted at most once per counter, under the bytes this counter attributes to
 #      it (``_sizes``); its release or shrink subtracts exactly those bytes.
+#   4. Releases may arrive on any thread (a gloo worker thread drops the last reference to a
+#      collective's buffer): every update of the counts holds the counter's lock.
 
 _active_counters: list["StorageCounter"] = []
 _original_resize = None
@@ -99,6 +104,7 @@ class StorageCounter(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._sizes: dict[int, int] = {}
         """Bytes this counter attributes to each counted storage (id -> bytes)."""
+        self._lock = threading.RLock()  # invariant 4; re-entrant: gc may free a storage mid-update
 
     def __enter__(self):
         if not _active_counters:
@@ -122,7 +128,7 @@ class StorageCounter(TorchDispatchMode):
 
     def _count(self, st: torch.UntypedStorage, nbytes: int, new: bool) -> None:
         key = id(st)
-        self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
+        self._refs[key] = weakref.ref(st, lambda ref, k=key: self._release(k, ref))
         self._sizes[key] = nbytes
         self._grow(nbytes, new)
 
@@ -137,24 +143,34 @@ class StorageCounter(TorchDispatchMode):
         ref = self._refs.get(id(st))
         return ref is not None and ref() is st
 
-    def _release(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
-        self._refs.pop(key, None)
+    def _release(self, key: int, ref: weakref.ref) -> None:
+        with self._lock:
+            if self._refs.get(key) is ref:  # not a later storage that reuses the id
+                self.live_bytes -= self._sizes.pop(key)
+                del self._refs[key]
 
     def _add(self, st: torch.UntypedStorage, new: bool) -> None:
-        if not self._counted(st):  # invariant 3
-            self._count(st, st.nbytes(), new)
+        with self._lock:
+            if not self._counted(st):  # invariant 3
+                self._count(st, st.nbytes(), new)
 
     def _resized(self, st: torch.UntypedStorage, before: int) -> None:
-        if not self._counted(st):  # only storages already counted are followed
-            return
+        with self._lock:
+            self._follow_resize(st, before, st.nbytes())
+
+    def _follow_resize(self, st: torch.UntypedStorage, before: int, after: int) -> None:
+        if not self._counted(st):
+            if after > before:  # e.g. an FSDP2 unshard into a storage made before we started
+                self._count(st, after - before, new=True)
+            return  # a shrink of bytes we never counted is not ours to subtract
         key = id(st)
-        after = st.nbytes()
-        self._sizes[key] = after
-        if after > before:
-            self._grow(after - before, new=True)
+        counted = self._sizes[key]
+        now = min(after, max(0, counted + after - before))
+        self._sizes[key] = now
+        if now > counted:
+            self._grow(now - counted, new=True)
         else:
-            self.live_bytes -= before - after
+            self.live_bytes -= counted - now
 
     def counted_bytes(self, st: torch.UntypedStorage) -> int:
         """Bytes of ``st`` this counter counts as live now (0 for a storage it does not count)."""
@@ -164,7 +180,8 @@ class StorageCounter(TorchDispatchMode):
         """Count already-existing tensors (their storages, once each) as live."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage(), new=False)
+                for st in _storages(t):
+                    self._add(st, new=False)
 
     def mark(self) -> None:
         """Start a new peak window at the current live bytes."""
@@ -176,19 +193,25 @@ class StorageCounter(TorchDispatchMode):
         outs = [o for o in flatten_outputs(out) if isinstance(o, torch.Tensor) and o.device.type != "meta"]
         if not outs:
             return out
-        inputs = {id(_storage(a)) for a in _tensor_args(args, kwargs)}
+        inputs = {id(st) for a in _tensor_args(args, kwargs) for st in _storages(a)}
         for o in outs:
-            st = _storage(o)
-            if st is not None and id(st) not in inputs:  # views and in-place results allocate nothing
-                self._add(st, new=True)
+            for st in _storages(o):
+                if id(st) not in inputs:  # views and in-place results allocate nothing
+                    self._add(st, new=True)
         return out
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s data: its own, or for a wrapper subclass (DTensor, whose
+    own storage has the global size and no data) those of its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ctx = t.__tensor_flatten__()
+        inner = (getattr(t, a) for a in attrs)
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
     try:
-        return t.untyped_storage()
+        return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):
-        return None
+        return []
 
 
 def _tensor_args(args: tuple, kwargs: dict):

@@ -100,6 +100,40 @@ def test_nested_counters_count_only_real_allocations():
     assert _mode_stack() == []
 
 
+def test_storages_that_grow_by_resize_are_counted_seen_before_or_not():
+    """FSDP2's unshard: ``resize_(n)`` of a storage made before the counter started, an
+    all-gather into it, and ``resize_(0)`` after use."""
+    unsharded = torch.empty(MIB, dtype=torch.uint8)
+    unsharded.untyped_storage().resize_(0)
+    untracked = torch.empty(MIB, dtype=torch.uint8)
+    counter = StorageCounter()
+    with counter:
+        unsharded.untyped_storage().resize_(2 * MIB)
+        assert counter.live_bytes == counter.counted_bytes(unsharded.untyped_storage()) == 2 * MIB
+        untracked.untyped_storage().resize_(0)  # never counted: nothing to subtract
+        assert counter.live_bytes == 2 * MIB
+        unsharded.untyped_storage().resize_(0)
+        assert counter.live_bytes == 0
+        unsharded.untyped_storage().resize_(2 * MIB)  # the next unshard of the same storage
+    assert (counter.live_bytes, counter.peak_bytes, counter.allocated_bytes) == (2 * MIB, 2 * MIB, 4 * MIB)
+    del unsharded
+    assert counter.live_bytes == 0
+
+
+def test_a_release_on_another_thread_is_counted():
+    """A gloo worker thread may drop the last reference to a collective's buffer."""
+    import threading
+
+    counter = StorageCounter()
+    with counter:
+        held = [torch.empty(MIB, dtype=torch.uint8)]
+    assert counter.live_bytes == MIB
+    worker = threading.Thread(target=held.clear)
+    worker.start()
+    worker.join()
+    assert counter.live_bytes == 0
+
+
 def test_leaving_a_counter_twice_is_an_error():
     counter = StorageCounter()
     other = StorageCounter()
