@@ -39,7 +39,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .memory import fmt_bytes, meter_for
+from .memory import fmt_bytes
+from .meter import meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
 from .policy import Policy
@@ -551,6 +552,7 @@ class AutoPlanner:
                 plan = make_plan(entry.graphs, entry.memory, limit,
                                  points_per_block=cfg.points_per_block, frontier_points=cfg.frontier_points,
                                  solver_time_limit_s=cfg.solver_time_limit_s, margin=cfg.safety_margin,
+                                 passthrough=not entry.memory.backwards_twice(),
                                  meta={"limit_requested_bytes": cfg.memory_limit_bytes, "step_key": entry.key,
                                        "input_keys": {str(b): k for b, k in entry.input_keys.items()},
                                        **cfg.policy_meta})

@@ -71,6 +71,20 @@ class StepMemory:
     def baseline_peak(self) -> float:
         return max((w.peak_bytes for w in self.windows), default=0.0)
 
+    def backwards_twice(self) -> bool:
+        """Some recording was backwarded more than once (a retained graph): a block appears in
+        more replay windows than it has recordings."""
+        replays: dict[int, int] = {}
+        for w in self.windows:
+            if w.replay_block is not None:
+                replays[w.replay_block] = replays.get(w.replay_block, 0) + 1
+        recorded: dict[int, int] = {}
+        for w in self.windows:
+            if w.label.startswith("forward of block "):
+                b = int(w.label.rsplit(" ", 1)[1])
+                recorded[b] = recorded.get(b, 0) + 1
+        return any(n > recorded.get(b, 0) for b, n in replays.items())
+
     def replay_windows(self) -> list[int]:
         return [i for i, w in enumerate(self.windows) if w.replay_block is not None]
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tapesac
-from tapesac.memory import StorageCounter
+from tapesac.meter import StorageCounter
 from tapesac.policy import BlockPolicy, Policy
 
 from .blocks import CASES, grads

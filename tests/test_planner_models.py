@@ -113,7 +113,7 @@ def test_policy_from_another_shape_is_dropped_and_replanned(tmp_path):
 
 def test_simulated_replay_only_memory_matches_the_engine():
     """The planner's simulation of replay's cache equals what the engine really holds."""
-    from tapesac.memory import StorageCounter
+    from tapesac.meter import StorageCounter
     from tapesac.profile import block_graph
 
     case = CASES["qwen3"]()

@@ -204,7 +204,7 @@ class Runner:
         """Step peak from the CPU allocator's own events (torch.profiler memory profiling): the
         bytes alive at the start (parameters, optimizer state, batch) plus the highest running
         total of allocations and frees during one step. Unlike a dispatch mode it also sees
-        compiled code; for eager code it equals ``tapesac.memory.StorageCounter`` exactly."""
+        compiled code; for eager code it equals ``tapesac.meter.StorageCounter`` exactly."""
         from torch.profiler import ProfilerActivity, profile
 
         if SETUP.device == "cuda":  # the caching allocator's own statistics

@@ -6,7 +6,7 @@ checkpointing, full AC through torchtitan's wrapper (``early_stop`` False, torch
 default, and True), and TapeSAC targeted replay. Policies alternate within every round, so
 drift of the machine hits all of them alike. Also reported, from one extra step per policy:
 
-* step-peak memory, measured by ``tapesac.memory.StorageCounter`` (a storage-counting dispatch
+* step-peak memory, measured by ``tapesac.meter.StorageCounter`` (a storage-counting dispatch
   mode: bytes of live tensor storages, parameters and input included, allocator caching not);
 * ops recomputed per block: ops dispatched in backward minus those of backward without AC;
 * recomputed GFLOP per step: FLOPs counted in backward minus those of backward without AC
@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tapesac
-from tapesac.memory import StorageCounter
+from tapesac.meter import StorageCounter
 
 
 class BlockStack(nn.Module):

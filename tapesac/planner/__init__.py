@@ -54,8 +54,12 @@ class Plan:
 
 def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: float, *,
               points_per_block: int = 12, frontier_points: int = 24, solver_time_limit_s: float = 0.15,
-              margin: float = 0.0, meta: dict[str, Any] | None = None) -> Plan:
-    """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``."""
+              margin: float = 0.0, meta: dict[str, Any] | None = None, passthrough: bool = True) -> Plan:
+    """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``.
+
+    ``passthrough``: a block that keeps everything backward reads may run as plain autograd. Off
+    when the step backwards a graph twice (``retain_graph``): autograd then holds every saved
+    tensor until the graph is freed, while TapeSAC drops kept values after their last use."""
     t0 = time.perf_counter()
     kinds: dict[str, list[int]] = {}
     for b, g in graphs.items():
@@ -73,9 +77,9 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
         g = graphs[b]
         positions = g.positions or [(v, 0) for v in range(g.num_values)]
         # Keeping everything backward reads is plain autograd: no need to record the block.
-        passthrough = not g.closure(p.kept)
+        plain = passthrough and not g.closure(p.kept)
         policy_blocks[b] = BlockPolicy(g.signature, [tuple(positions[v]) for v in p.kept],
-                                       int(p.memory), p.time, passthrough)
+                                       int(p.memory), p.time, plain)
     policy = Policy(policy_blocks, limit_bytes=int(limit_bytes),
                     predicted_peak_bytes=int(alloc.predicted_peak_bytes),
                     predicted_recompute_s=alloc.recompute_s,

@@ -1,0 +1,315 @@
+"""Measuring memory on any device: allocator statistics on CUDA, a storage counter on CPU.
+
+On CUDA the caching allocator's statistics are the ground truth. On CPU there are none, so
+:class:`StorageCounter` counts the bytes of tensor storages while it is active.
+
+What the counter sees:
+
+* every storage an ATen op returns while the counter is on the dispatch mode stack (an output
+  whose storage is none of the op's inputs'), from its creation until its Python object dies
+  (storages keep one Python object for their whole life, so a weak reference dies exactly when
+  the storage is freed), on whatever thread that happens, also after the counter has stopped;
+* every in-place storage resize (``UntypedStorage.resize_``, which the dispatcher never sees),
+  including storages it has not seen before: a storage that grows while the counter is active
+  counts its growth from then on, and a shrink of a counted storage is uncounted. This is how
+  FSDP2 unshards (``resize_(n)`` of a storage made once, then an all-gather copied into it) and
+  reshards (``resize_(0)``);
+* storages that existed before it started only if handed to :meth:`StorageCounter.track`.
+
+What it does not see (an allocator-level meter, e.g. the profiler's ``[memory]`` events, does,
+though those miss frees on threads the profiler does not follow, such as gloo's workers):
+
+* the allocator's own behaviour: caching, rounding and fragmentation (it counts requested bytes);
+* allocations that are never a dispatched op's output: workspace and temporaries inside a
+  kernel, staging buffers inside a collective's implementation (gloo, NCCL), memory that
+  libraries outside ATen allocate (numpy, Python objects);
+* ops dispatched while it is not on the current thread's mode stack (the stack is thread
+  local; autograd carries it into its own threads);
+* a wrapper subclass's own storage (a DTensor's has its global size and no data): it counts the
+  storages of the inner tensors instead (a DTensor's local shard).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Iterable
+
+import torch
+import torch.utils._python_dispatch as python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from .errors import TapeSACError
+from .tape import flatten_outputs
+
+
+# Storage counting --------------------------------------------------------------------------------
+#
+# Invariants the counter keeps:
+#   1. Leaving removes exactly this counter from the dispatch mode stack, wherever it is; modes
+#      entered after it (a FlopCounterMode around a step, a second counter) stay, in order.
+#   2. Its own bookkeeping runs no ops, so no other mode below it sees (or counts) anything the
+#      counter does; two active counters each count every real allocation once.
+#   3. A storage is counted at most once per counter, under the bytes this counter attributes to
+#      it (``_sizes``); its release or shrink subtracts exactly those bytes.
+#   4. Releases may arrive on any thread (a gloo worker thread drops the last reference to a
+#      collective's buffer): every update of the counts holds the counter's lock.
+
+_active_counters: list["StorageCounter"] = []
+_original_resize = None
+_own_resize = False
+
+
+def _counting_resize(storage, size):
+    before = storage.nbytes()
+    out = _original_resize(storage, size)
+    for counter in _active_counters:
+        counter._resized(storage, before)
+    return out
+
+
+def _install_resize_hook() -> None:
+    global _original_resize, _own_resize
+    _own_resize = "resize_" in torch.UntypedStorage.__dict__
+    _original_resize = torch.UntypedStorage.resize_
+    torch.UntypedStorage.resize_ = _counting_resize
+
+
+def _remove_resize_hook() -> None:
+    if _own_resize:
+        torch.UntypedStorage.resize_ = _original_resize
+    else:
+        del torch.UntypedStorage.resize_
+
+
+class StorageCounter(TorchDispatchMode):
+    """Counts live bytes of tracked storages: current, peak, and the total ever allocated.
+
+    Storages that existed before the mode was entered count only if passed to :meth:`track`
+    (parameters, gradients, optimizer state), or from the moment they grow through
+    ``UntypedStorage.resize_``. ``mark()`` starts a new peak window. See the module docstring
+    for what it sees and what it does not.
+
+    It may be entered at one step boundary and exited at a later one, with other dispatch modes
+    entered and exited in between: exiting takes only this counter off the stack (invariant 1).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.allocated_bytes = 0
+        """Sum of the sizes of all storages created, and of all growth, while active (never
+        decreases)."""
+        self._refs: dict[int, weakref.ref] = {}
+        self._sizes: dict[int, int] = {}
+        """Bytes this counter attributes to each counted storage (id -> bytes)."""
+        self._lock = threading.RLock()  # invariant 4; re-entrant: gc may free a storage mid-update
+
+    def __enter__(self):
+        if not _active_counters:
+            _install_resize_hook()
+        _active_counters.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            if python_dispatch._get_current_dispatch_mode() is self:
+                return super().__exit__(*exc)
+            _leave_dispatch_stack(self)  # invariant 1
+            return None
+        finally:
+            if self in _active_counters:  # not when left twice (an error above)
+                _active_counters.remove(self)
+                if not _active_counters:
+                    _remove_resize_hook()
+
+    # Bookkeeping (invariant 2: no torch ops in here) --------------------------------------------
+
+    def _count(self, st: torch.UntypedStorage, nbytes: int, new: bool) -> None:
+        key = id(st)
+        self._refs[key] = weakref.ref(st, lambda ref, k=key: self._release(k, ref))
+        self._sizes[key] = nbytes
+        self._grow(nbytes, new)
+
+    def _grow(self, nbytes: int, new: bool) -> None:
+        self.live_bytes += nbytes
+        if new:
+            self.allocated_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def _counted(self, st: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(id(st))
+        return ref is not None and ref() is st
+
+    def _release(self, key: int, ref: weakref.ref) -> None:
+        with self._lock:
+            if self._refs.get(key) is ref:  # not a later storage that reuses the id
+                self.live_bytes -= self._sizes.pop(key)
+                del self._refs[key]
+
+    def _add(self, st: torch.UntypedStorage, new: bool) -> None:
+        with self._lock:
+            if not self._counted(st):  # invariant 3
+                self._count(st, st.nbytes(), new)
+
+    def _resized(self, st: torch.UntypedStorage, before: int) -> None:
+        with self._lock:
+            self._follow_resize(st, before, st.nbytes())
+
+    def _follow_resize(self, st: torch.UntypedStorage, before: int, after: int) -> None:
+        if not self._counted(st):
+            if after > before:  # e.g. an FSDP2 unshard into a storage made before we started
+                self._count(st, after - before, new=True)
+            return  # a shrink of bytes we never counted is not ours to subtract
+        key = id(st)
+        counted = self._sizes[key]
+        now = min(after, max(0, counted + after - before))
+        self._sizes[key] = now
+        if now > counted:
+            self._grow(now - counted, new=True)
+        else:
+            self.live_bytes -= counted - now
+
+    def counted_bytes(self, st: torch.UntypedStorage) -> int:
+        """Bytes of ``st`` this counter counts as live now (0 for a storage it does not count)."""
+        return self._sizes[id(st)] if self._counted(st) else 0
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count already-existing tensors (their storages, once each) as live."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                for st in _storages(t):
+                    self._add(st, new=False)
+
+    def mark(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [o for o in flatten_outputs(out) if isinstance(o, torch.Tensor) and o.device.type != "meta"]
+        if not outs:
+            return out
+        inputs = {id(st) for a in _tensor_args(args, kwargs) for st in _storages(a)}
+        for o in outs:
+            for st in _storages(o):
+                if id(st) not in inputs:  # views and in-place results allocate nothing
+                    self._add(st, new=True)
+        return out
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s data: its own, or for a wrapper subclass (DTensor, whose
+    own storage has the global size and no data) those of its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ctx = t.__tensor_flatten__()
+        inner = (getattr(t, a) for a in attrs)
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
+def _tensor_args(args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _leave_dispatch_stack(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off the dispatch mode stack from below other modes, which stay in order.
+
+    ``TorchDispatchMode.__exit__`` pops whatever is on top and restores flags (is any mode
+    active, any non-infra mode, ...) that each mode saved when it was entered; both assume
+    last-in, first-out. Here the modes above ``mode`` are popped, ``mode`` is popped, and they are
+    pushed back; the flags ``mode`` saved pass to the first mode above it, and those above are
+    recomputed, so that each restores, on its own exit, what the stack without ``mode`` implies.
+    """
+    depth = python_dispatch._len_torch_dispatch_stack()
+    if not any(python_dispatch._get_dispatch_stack_at(i) is mode for i in range(depth)):
+        raise TapeSACError(f"{type(mode).__name__} left twice, or left on another thread than it "
+                           "was entered on: it is not on this thread's dispatch mode stack")
+    above = []
+    while (top := python_dispatch._pop_torch_dispatch_stack(None)) is not mode:
+        above.append(top)
+    above.reverse()
+    for m in above:
+        python_dispatch._push_on_torch_dispatch_stack(m)
+
+    # What the stack below ``mode`` implied when it was entered, then each mode above folded in.
+    in_mode = mode.old_dispatch_mode_flags.pop()
+    non_infra = mode.old_non_infra_dispatch_mode_flags.pop()
+    without_ignore = mode.old_without_ignore_compile_internals_dispatch_mode_flags.pop()
+    for m in above:
+        if getattr(m, "old_dispatch_mode_flags", None):  # entered through TorchDispatchMode.__enter__
+            m.old_dispatch_mode_flags[-1] = in_mode
+            m.old_non_infra_dispatch_mode_flags[-1] = non_infra
+            m.old_without_ignore_compile_internals_dispatch_mode_flags[-1] = without_ignore
+        in_mode = True
+        non_infra = non_infra or not m.is_infra_mode()
+        without_ignore = without_ignore or not m.ignore_compile_internals()
+    python_dispatch._is_in_torch_dispatch_mode = in_mode
+    python_dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
+    python_dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
+    python_dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
+
+
+# Meters ------------------------------------------------------------------------------------------
+
+class CudaMeter:
+    """Allocator truth on CUDA: bytes allocated now, and the peak since the last mark."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def mark(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def start(self) -> None:
+        self.mark()
+
+    def stop(self) -> None:
+        pass
+
+
+class CpuMeter:
+    """Storage counting on CPU (see :class:`StorageCounter`), active between start and stop."""
+
+    def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
+        self.counter = StorageCounter()
+        self._track = list(track)
+
+    def current(self) -> int:
+        return self.counter.live_bytes
+
+    def peak(self) -> int:
+        return self.counter.peak_bytes
+
+    def mark(self) -> None:
+        self.counter.mark()
+
+    def start(self) -> None:
+        self.counter.track(self._track)
+        self._track = []
+        self.counter.__enter__()
+        self.mark()
+
+    def stop(self) -> None:
+        self.counter.__exit__(None, None, None)
+
+
+def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):
+    """The meter for ``device``: allocator statistics on CUDA, a :class:`CpuMeter` elsewhere."""
+    return CudaMeter(device) if device.type == "cuda" else CpuMeter(track)

@@ -1,0 +1,146 @@
+"""The CPU storage counter: what it counts, and that it leaves other dispatch modes alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _python_dispatch as python_dispatch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tapesac.errors import TapeSACError
+from tapesac.meter import CpuMeter, StorageCounter
+
+MIB = 2**20
+
+
+def _mode_stack() -> list:
+    return [python_dispatch._get_dispatch_stack_at(i) for i in range(python_dispatch._len_torch_dispatch_stack())]
+
+
+@pytest.fixture(autouse=True)
+def _empty_mode_stack():
+    """A failed test must not leave its modes to the next one."""
+    yield
+    while python_dispatch._len_torch_dispatch_stack():
+        python_dispatch._pop_torch_dispatch_stack(None)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def _flops(model, x) -> int:
+    with FlopCounterMode(display=False) as fc:
+        _step(model, x)
+    return fc.get_total_flops()
+
+
+def test_a_flop_counter_entered_inside_a_meter_run_counts_as_without_it():
+    """The meter starts at one step boundary and stops at a later one; a FlopCounterMode around
+    the step in between sees every op and leaves nothing on the stack."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    expected = _flops(model, x)
+    assert expected > 0
+
+    meter = CpuMeter()
+    meter.start()
+    fc = FlopCounterMode(display=False)
+    fc.__enter__()
+    _step(model, x)
+    meter.stop()  # while the flop counter is still on the stack, above the meter
+    assert _mode_stack() == [fc.mode]
+    _step(model, x)  # still counted: the flop counter stayed
+    fc.__exit__(None, None, None)
+
+    assert fc.get_total_flops() == 2 * expected
+    assert _mode_stack() == []
+    assert not python_dispatch.is_in_torch_dispatch_mode()
+    assert not python_dispatch.is_in_torch_dispatch_mode(include_infra_modes=False)
+    assert meter.peak() > 0
+
+
+def test_interleaved_counters_each_count_every_allocation_once():
+    """Two planned handles' meters overlap without nesting: neither counts the other, each
+    counts the real allocations made while it is active."""
+    a, b = StorageCounter(), StorageCounter()
+    a.__enter__()
+    x = torch.empty(MIB, dtype=torch.uint8)  # a only
+    b.__enter__()
+    y = torch.empty(2 * MIB, dtype=torch.uint8)  # both
+    assert (a.live_bytes, b.live_bytes) == (3 * MIB, 2 * MIB)
+    a.__exit__(None, None, None)  # a leaves from under b
+    assert _mode_stack() == [b]
+    z = torch.empty(4 * MIB, dtype=torch.uint8)  # b only
+    del y
+    assert (a.live_bytes, b.live_bytes) == (MIB, 4 * MIB)
+    assert (a.peak_bytes, b.peak_bytes) == (3 * MIB, 6 * MIB)
+    assert (a.allocated_bytes, b.allocated_bytes) == (3 * MIB, 6 * MIB)
+    b.__exit__(None, None, None)
+    assert _mode_stack() == []
+    assert not python_dispatch.is_in_torch_dispatch_mode()
+    del x, z
+    assert (a.live_bytes, b.live_bytes) == (0, 0)
+
+
+def test_nested_counters_count_only_real_allocations():
+    """An inner counter's bookkeeping allocates nothing the outer one could see."""
+    outer, inner = StorageCounter(), StorageCounter()
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+    with outer:
+        _step(model, x)
+    alone = outer.allocated_bytes
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    outer = StorageCounter()
+    with outer, inner:
+        _step(model, x)
+    assert outer.allocated_bytes == inner.allocated_bytes == alone
+    assert _mode_stack() == []
+
+
+def test_storages_that_grow_by_resize_are_counted_seen_before_or_not():
+    """FSDP2's unshard: ``resize_(n)`` of a storage made before the counter started, an
+    all-gather into it, and ``resize_(0)`` after use."""
+    unsharded = torch.empty(MIB, dtype=torch.uint8)
+    unsharded.untyped_storage().resize_(0)
+    untracked = torch.empty(MIB, dtype=torch.uint8)
+    counter = StorageCounter()
+    with counter:
+        unsharded.untyped_storage().resize_(2 * MIB)
+        assert counter.live_bytes == counter.counted_bytes(unsharded.untyped_storage()) == 2 * MIB
+        untracked.untyped_storage().resize_(0)  # never counted: nothing to subtract
+        assert counter.live_bytes == 2 * MIB
+        unsharded.untyped_storage().resize_(0)
+        assert counter.live_bytes == 0
+        unsharded.untyped_storage().resize_(2 * MIB)  # the next unshard of the same storage
+    assert (counter.live_bytes, counter.peak_bytes, counter.allocated_bytes) == (2 * MIB, 2 * MIB, 4 * MIB)
+    del unsharded
+    assert counter.live_bytes == 0
+
+
+def test_a_release_on_another_thread_is_counted():
+    """A gloo worker thread may drop the last reference to a collective's buffer."""
+    import threading
+
+    counter = StorageCounter()
+    with counter:
+        held = [torch.empty(MIB, dtype=torch.uint8)]
+    assert counter.live_bytes == MIB
+    worker = threading.Thread(target=held.clear)
+    worker.start()
+    worker.join()
+    assert counter.live_bytes == 0
+
+
+def test_leaving_a_counter_twice_is_an_error():
+    counter = StorageCounter()
+    other = StorageCounter()
+    other.__enter__()
+    counter.__enter__()
+    counter.__exit__(None, None, None)
+    with pytest.raises(TapeSACError, match="not on this thread's dispatch mode stack"):
+        counter.__exit__(None, None, None)
+    other.__exit__(None, None, None)
+    assert _mode_stack() == []
