@@ -96,6 +96,7 @@ def test_frontier_json_says_what_the_chosen_plan_keeps_per_kind():
     plan, graphs = _plan()
     data = plan.frontier_json(graphs=graphs)
     assert (data["memory_unit"], data["time_unit"], data["limit_bytes"]) == ("bytes", "s", 95 * MiB)
+    assert (data["chosen"]["memory"], data["chosen"]["status"]) == (90 * MiB, "optimal")
     keeps = data["chosen"]["keeps"]
     assert [k["blocks"] for k in keeps] == [[0, 1, 2], [3]]
     assert keeps[0]["kind"] == "abc123def456" and keeps[0]["kept"] == ["%1.0 aten.silu.default"]
@@ -145,7 +146,9 @@ def test_saved_frontier_inserts_a_chosen_plan_that_is_off_the_sweep(tmp_path):
     plan.frontier[3] = {"predicted_peak_bytes": 90 * MiB, "recompute_s": 0.040}  # greedy did worse
     out = _saved(tmp_path, plan.frontier_json(graphs=graphs))
     marked = [line for line in out.splitlines() if line.startswith("* ")]
-    assert len(marked) == 1 and marked[0].split()[1:3] == ["90", "30"] and "chosen plan" in marked[0]
+    assert len(marked) == 1 and marked[0].split()[1:3] == ["90", "30"]
+    assert marked[0].endswith(
+        "chosen plan (solved for this limit alone, status optimal; other rows: one greedy sweep over limits)")
 
 
 def _old_format(plan: Plan) -> dict:

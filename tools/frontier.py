@@ -77,9 +77,10 @@ def _rows(result: dict, ends: tuple[str, str] | None) -> list[dict]:
     chosen = result.get("chosen")
     if chosen is not None:
         at = next((p for p in rows if _is_chosen(p, chosen)), None)
-        if at is None:  # the MILP's plan, off the greedy sweep: a row of its own
+        if at is None:  # solved for its own limit, off the greedy sweep: a row of its own
+            how = f", status {chosen['status']}" if chosen.get("status") else ""
             at = {"memory": chosen["memory"], "recompute_time": chosen["recompute_time"],
-                  "note": "chosen plan (solved exactly; other rows: a greedy sweep)"}
+                  "note": f"chosen plan (solved for this limit alone{how}; other rows: one greedy sweep over limits)"}
             rows.append(at)
             rows.sort(key=lambda p: (p["memory"], -p["recompute_time"]))
         at["chosen"] = True

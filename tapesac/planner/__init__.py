@@ -74,11 +74,11 @@ class Plan:
             "time_label": "predicted recompute time per step",
             "time_unit": "s",
             "limit_bytes": self.policy.limit_bytes,
-            # make_plan sweeps limits greedily; the chosen plan is the MILP's, so it may lie below.
+            # The sweep is greedy; the chosen plan is solved for its own limit, so it may lie below.
             "frontier_label": "frontier (greedy sweep of limits)",
             "ends": ["replay-only (full-AC memory)", "keep everything useful (no-AC-like memory)"],
             "chosen": {"memory": self.allocation.predicted_peak_bytes, "recompute_time": self.allocation.recompute_s,
-                       "keeps": keeps},
+                       "status": self.allocation.status, "keeps": keeps},
             "frontier": [{"memory": p["predicted_peak_bytes"], "recompute_time": p["recompute_s"]}
                          for p in self.frontier],
         }
