@@ -56,13 +56,39 @@ def test_targets_are_judged_from_per_round_ratios():
     bench = _bench()
     recs = _records()
     lines = bench.check_targets(recs)
-    assert "MISSED: 'no AC' dominated" in lines[0]
-    assert lines[1].startswith("met: 'full AC' dominated") and "-3.3% step time" in lines[1]
-    assert lines[2].startswith("met: 'op SAC' dominated") and "TapeSAC @ op SAC peak" in lines[2]
-    assert lines[3].startswith("met: replay-only +3.3% faster than full AC")
-    assert lines[4].startswith("met: planned at op SAC's memory +7.7% faster")
-    assert lines[5].startswith("MISSED: planned at the midpoint +5.0% vs no AC")
+    assert lines[0].startswith("MISSED: TapeSAC does not dominate no AC: its fastest at no more memory, "
+                               "TapeSAC @ midpoint peak, +5.0% step time, -37.5% memory")
+    assert lines[1].startswith("met: TapeSAC dominates full AC: TapeSAC replay-only, -3.3% step time, "
+                               "+0.0% memory")
+    assert lines[2].startswith("met: TapeSAC dominates op SAC: TapeSAC @ op SAC peak, -7.7% step time")
+    assert lines[3].startswith("met: TapeSAC replay-only vs full AC: -3.3% step time (target -3.0% or less)")
+    assert lines[4].startswith("met: TapeSAC planned at op SAC's memory vs op SAC: -7.7% step time")
+    assert lines[5].startswith("MISSED: TapeSAC planned at the midpoint vs no AC: +5.0% step time")
     assert lines[6] == "met: measured peak never above the limit"
+
+
+def _table_cell(table: str, policy: str, column: str) -> str:
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    header, body = rows[0], rows[2:]
+    return next(r for r in body if r[0] == policy)[header.index(column)]
+
+
+def test_table_and_text_agree_on_signs():
+    """Negative is faster everywhere: the table's cell and the target line say the same number."""
+    bench = _bench()
+    recs = _records()
+    table, lines = bench.markdown(recs), bench.check_targets(recs)
+    cell = _table_cell(table, "TapeSAC replay-only", "step vs full AC")
+    assert cell == "-3.3%" and f"replay-only vs full AC: {cell} step time" in lines[3]
+    cell = _table_cell(table, "TapeSAC @ op SAC peak", "step vs op SAC")
+    assert cell == "-7.7%" and f"vs op SAC: {cell} step time" in lines[4]
+    cell = _table_cell(table, "TapeSAC @ midpoint peak", "step vs no AC")
+    assert cell == "+5.0%" and f"vs no AC: {cell} step time" in lines[5]
+
+
+def test_what_rounds_to_zero_has_no_minus_sign():
+    bench = _bench()
+    assert bench.pct(-0.0004) == "+0.0%" and bench.pct(0.0) == "+0.0%" and bench.pct(-0.034) == "-3.4%"
 
 
 def test_peak_over_its_limit_is_reported():
@@ -72,6 +98,23 @@ def test_peak_over_its_limit_is_reported():
     assert bench.check_targets(recs)[-1] == "MISSED: measured peak never above the limit (TapeSAC @ op SAC peak)"
 
 
+def bench_ratios_line() -> str:
+    """The report's line that says how every ratio is computed and which sign is faster."""
+    line = _bench().RATIOS
+    assert "negative = faster or less memory" in line and "median over rounds" in line
+    return line
+
+
+def test_report_of_the_committed_run_never_prints_minus_zero():
+    out = subprocess.run([sys.executable, "tools/bench.py", "--report", "docs/bench_results.json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "-0.0%" not in out.stdout and "faster" not in out.stdout.replace(_bench().RATIOS, "")
+    assert "met: TapeSAC dominates no AC: TapeSAC @ no AC peak, -0.5% step time, -1.1% memory" in out.stdout
+    assert "met: TapeSAC replay-only vs full AC: -3.4% step time" in out.stdout
+    assert "| TapeSAC replay-only | 1.434 | +25.2% | -3.4% |" in out.stdout
+
+
 def test_report_reprints_a_saved_run(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_records()))
@@ -79,7 +122,8 @@ def test_report_reprints_a_saved_run(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| TapeSAC @ midpoint peak | 1.050 |" in out.stdout
-    assert "met: replay-only +3.3% faster than full AC" in out.stdout
+    assert "met: TapeSAC replay-only vs full AC: -3.3% step time" in out.stdout
+    assert bench_ratios_line() in out.stdout
     assert (tmp_path / "frontier_m.png").stat().st_size > 0
 
 

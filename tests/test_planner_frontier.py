@@ -49,6 +49,24 @@ def test_frontier_tool_prints_a_table_and_plots(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_worked_example_prints_a_readable_table():
+    """README's first command: whole numbers, each row's kept set, and what the ends are."""
+    out = _tool("--graph", str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1:] == [
+        "full block replay time: 32  (every op: what full AC reruns)",
+        "replay-only time:       23  (only what backward reads)",
+        "        memory  recompute time  kept",
+        "             0              23  nothing (replay-only: keeps nothing)",
+        "             5              16  x5",
+        "             6              10  x2",
+        "             8               7  x4",
+        "            11               3  x2, x5",
+        "            13               0  x4, x5 (keeps everything useful: no replay)",
+    ]
+    assert out.stdout.startswith(f"block frontier of {EXAMPLE} (units as in the file)")
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"ops": {"a": {"time": 1, "bytes": 1, "deps": ["b"]}}, "read": ["a"]}, "unknown dependency"),
     ({"ops": {"a": {"time": 1, "bytes": 1, "deps": ["b"]}, "b": {"time": 1, "bytes": 1, "deps": ["a"]}},

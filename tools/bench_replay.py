@@ -18,6 +18,10 @@ Timing noise on a small shared CPU machine is mostly page faults: glibc returns 
 blocks to the kernel and every step faults them in again. ``tune_malloc`` keeps freed memory in
 the heap (raised mmap and trim thresholds) for every policy alike.
 
+Sizes (``model_sizes``): 4 blocks, dim 512, 8 heads (4 KV heads), seq 512, batch 2, float32, 15
+rounds; ``--quick``: 2 blocks, dim 256, seq 256, batch 2, 3 rounds. The first line printed says
+which.
+
     python tools/bench_replay.py [--quick] [--json out.json]
 """
 
@@ -85,12 +89,19 @@ def tune_malloc() -> bool:
     return bool(ok)
 
 
+def model_sizes(quick: bool) -> dict[str, int]:
+    """The llama3 stack's sizes: 64-wide heads, two query heads per KV head, float32."""
+    dim, layers, seq, batch = (256, 2, 256, 2) if quick else (512, 4, 512, 2)
+    return {"dim": dim, "layers": layers, "heads": dim // 64, "kv_heads": dim // 128, "seq": seq, "batch": batch}
+
+
 def build_models(quick: bool) -> dict[str, tuple[BlockStack, torch.Tensor]]:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    dim, layers, seq, batch = (256, 2, 256, 2) if quick else (512, 4, 512, 2)
+    size = model_sizes(quick)
+    dim, layers, seq, batch = size["dim"], size["layers"], size["seq"], size["batch"]
     torch.manual_seed(0)
-    args = TransformerModelArgs(dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=dim // 128,
+    args = TransformerModelArgs(dim=dim, n_layers=layers, n_heads=size["heads"], n_kv_heads=size["kv_heads"],
                                 vocab_size=256, max_seq_len=seq)
     base = Transformer(args)
     with torch.no_grad():
@@ -250,8 +261,11 @@ def main() -> None:
                     help="intra-op threads (1 leaves a core for the rest of the machine: less noise)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    print(f"threads={a.threads} malloc tuned={tune_malloc()}", flush=True)
     rounds = a.rounds or (3 if a.quick else 15)
+    # The sizes go on the first line so a pasted table says what it measured.
+    size = ", ".join(f"{k}={v}" for k, v in model_sizes(a.quick).items())
+    print(f"llama3 blocks: {size}, float32; rounds={rounds} threads={a.threads} malloc tuned={tune_malloc()}",
+          flush=True)
     models = build_models(a.quick)
     if a.models:
         models = {k: v for k, v in models.items() if k in a.models.split(",")}

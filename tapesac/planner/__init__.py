@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from ..errors import PlanError
 from ..stepmodel import StepMemory
 from ..policy import BlockPolicy, Policy
+from ..report import summarise_keep
 from .allocate import Allocation, Deltas, allocate, formula_deltas, global_frontier, largest_useful_peak, smallest_peak
 from .graph import BlockGraph
 from .milp import Point, frontier
@@ -39,15 +40,46 @@ class Plan:
     largest_useful_peak_bytes: float
     solve_s: float
 
-    def frontier_json(self, title: str = "TapeSAC step frontier") -> dict[str, Any]:
-        """The frontier in the form ``tools/frontier.py --saved`` reads and plots."""
+    def frontier_json(self, title: str = "TapeSAC step frontier",
+                      graphs: Mapping[int, BlockGraph] | None = None) -> dict[str, Any]:
+        """The frontier in the form ``tools/frontier.py --saved`` reads and ``plot_frontier`` draws.
+
+        Memory is in bytes and time in seconds (``memory_unit``, ``time_unit``). ``frontier`` holds
+        the step-level points, smallest memory first; ``ends`` names its first and last point.
+        ``chosen`` is the plan in force, and ``chosen["keeps"]`` what it keeps: one entry per
+        block kind and frontier point, with the blocks that chose it. With ``graphs`` (the block
+        graphs the plan was made from, as given to ``make_plan``) kept values are named and
+        summarised (``tapesac.report.summarise_keep``); without, they are value indices.
+        """
+        groups: dict[tuple[str, int], list[int]] = {}
+        for b, p in sorted(self.allocation.points.items()):
+            kind = self.policy.blocks[b].signature or f"block{b}"  # as make_plan groups them
+            groups.setdefault((kind, self.block_frontiers[kind].index(p)), []).append(b)
+        keeps = []
+        for (kind, i), blocks in groups.items():
+            p = self.block_frontiers[kind][i]
+            g = graphs.get(blocks[0]) if graphs else None
+            entry: dict[str, Any] = {
+                "kind": kind, "blocks": blocks, "point": i, "points": len(self.block_frontiers[kind]),
+                "kept_bytes": p.memory, "recompute_time": p.time,
+                "kept": [g.value_name(v) for v in p.kept] if g is not None else list(p.kept),
+            }
+            if g is not None:
+                entry["summary"] = summarise_keep(g.names, p.kept, g.read)
+            keeps.append(entry)
         return {
             "title": title,
-            "memory_label": "predicted step peak (bytes)",
-            "time_label": "predicted recompute time per step (s)",
+            "memory_label": "predicted step peak",
+            "memory_unit": "bytes",
+            "time_label": "predicted recompute time per step",
+            "time_unit": "s",
             "limit_bytes": self.policy.limit_bytes,
-            "chosen": {"memory": self.allocation.predicted_peak_bytes, "recompute_time": self.allocation.recompute_s},
-            "frontier": [{"kept": [], "memory": p["predicted_peak_bytes"], "recompute_time": p["recompute_s"]}
+            # The sweep is greedy; the chosen plan is solved for its own limit, so it may lie below.
+            "frontier_label": "frontier (greedy sweep of limits)",
+            "ends": ["replay-only (full-AC memory)", "keep everything useful (no-AC-like memory)"],
+            "chosen": {"memory": self.allocation.predicted_peak_bytes, "recompute_time": self.allocation.recompute_s,
+                       "status": self.allocation.status, "keeps": keeps},
+            "frontier": [{"memory": p["predicted_peak_bytes"], "recompute_time": p["recompute_s"]}
                          for p in self.frontier],
         }
 
