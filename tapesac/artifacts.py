@@ -35,7 +35,7 @@ def save_plan(plan: Plan, graphs: dict[int, BlockGraph] | None, *, policy_path: 
     if frontier_path:
         path = Path(frontier_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = plan.frontier_json()
+        data = plan.frontier_json(graphs=graphs)
         path.write_text(json.dumps(data, indent=1))
         written.append(str(path))
         if plot_in_thread(data, path.with_suffix(".png")):

@@ -39,12 +39,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .memory import fmt_bytes
 from .meter import meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
 from .policy import Policy
 from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
+from .report import block_ranges, fmt_bytes
 from .stepmodel import StepMemory, StepTrace
 
 log = logging.getLogger("tapesac")
@@ -441,11 +441,12 @@ class AutoPlanner:
                         "program or a saved policy changed); dropping the plan and profiling again")
             del self.plans[active.key]
             active = None
+        if not same and (purpose == "profile" or self.steps >= self.config.warmup_steps):
+            self._fail(PolicyError(
+                f"TapeSAC: ranks ran different steps in step {self.steps} (the blocks' input shapes "
+                "differ across ranks), so they cannot share one plan. Every rank must run the same "
+                "shapes (sequence length, local batch size), or use replay-only mode"))
         if purpose == "profile":
-            if not same:
-                self._fail(PolicyError(
-                    "TapeSAC: ranks ran different steps (block input shapes differ across ranks) "
-                    "during profiling; every rank must run the same shapes to share one plan"))
             if failed:
                 self._profile_failed(key, profile_error or "another rank's profile failed")
             elif memory is not None and key not in self.plans:
@@ -474,6 +475,8 @@ class AutoPlanner:
             self._start_trace("verify")
 
     def _start_profile(self, inputs: Iterable[torch.Tensor] = ()) -> None:
+        self._log(logging.INFO, "TapeSAC: profiling step %d: every op timed %d times and memory traced "
+                  "(this step runs slower); the plan follows at its end", self.steps + 1, self.config.repeats)
         self.phase = Phase.PROFILE
         timer = OpTimer(self.config.repeats, self.device.type)
         for s in self.handle.blocks:
@@ -537,6 +540,8 @@ class AutoPlanner:
         for b, g in graphs.items():
             g.op_overhead_s = replay_s
             g.record_overhead_s = record_s * len(by_block[b][0].ops)
+        self._log(logging.INFO, "TapeSAC: planning %d block(s) of %d kind(s) for a step-peak limit of %s",
+                  len(graphs), len({g.signature for g in graphs.values()}), fmt_bytes(self.config.memory_limit_bytes))
         input_keys = {r.block: r.input_key for r in step.recordings}
         entry = StepPlan(key, input_keys, Policy.replay_only(signatures), graphs=graphs, memory=memory,
                          limit_bytes=float(self.config.memory_limit_bytes))
@@ -573,16 +578,33 @@ class AutoPlanner:
         entry.policy = value.policy
         entry.limit_bytes = limit
         entry.verified = not cfg.verify
-        a = value.allocation
-        kept = sum(p.memory for p in a.points.values())
-        self._log(logging.INFO, 
-            "TapeSAC plan: limit %s, predicted peak %s (smallest possible %s), keeps %s, recompute "
-            "%.1f ms/step, %d kind(s) of block, %s, solved in %.2f s",
-            fmt_bytes(limit), fmt_bytes(a.predicted_peak_bytes), fmt_bytes(value.smallest_peak_bytes),
-            fmt_bytes(kept), a.recompute_s * 1e3, len(value.block_frontiers), a.status, value.solve_s)
         if tdist.rank(self.group) == 0:
-            save_plan(value, entry.graphs, policy_path=cfg.policy_path, frontier_path=cfg.frontier_path,
-                      graph_dir=cfg.graph_dir)
+            self._describe(value, entry.graphs, limit)
+            written = save_plan(value, entry.graphs, policy_path=cfg.policy_path,
+                                frontier_path=cfg.frontier_path, graph_dir=cfg.graph_dir)
+            if written:
+                log.info("TapeSAC plan: wrote %s", ", ".join(written))
+
+    def _describe(self, plan: Plan, graphs: dict[int, BlockGraph] | None, limit: float) -> None:
+        """The plan for people (rank 0): the frontier's ends, the choice, what each kind keeps."""
+        a = plan.allocation
+        ends = (plan.frontier[0], plan.frontier[-1]) if plan.frontier else (None, None)
+        log.info(
+            "TapeSAC plan: limit %s; step frontier from %s (replay-only, full-AC memory%s) to %s (keep "
+            "everything useful%s); chosen: predicted peak %s, recompute %.1f ms/step (%s, solved in %.2f s)",
+            fmt_bytes(limit), fmt_bytes(plan.smallest_peak_bytes),
+            f", recompute {ends[0]['recompute_s'] * 1e3:.1f} ms" if ends[0] else "",
+            fmt_bytes(plan.largest_useful_peak_bytes),
+            f", recompute {ends[1]['recompute_s'] * 1e3:.1f} ms" if ends[1] else "",
+            fmt_bytes(a.predicted_peak_bytes), a.recompute_s * 1e3, a.status, plan.solve_s)
+        for group in plan.frontier_json(graphs=graphs)["chosen"]["keeps"]:
+            blocks = group["blocks"]
+            kind = type(self.handle.blocks[blocks[0]].module).__name__
+            plain = all(plan.policy.blocks[b].passthrough for b in blocks)
+            log.info("TapeSAC plan: %s blocks %s: %s kept per block, %.1f ms recompute; %s%s", kind,
+                     block_ranges(blocks), fmt_bytes(group["kept_bytes"]), group["recompute_time"] * 1e3,
+                     group.get("summary", f"keeps {len(group['kept'])} values"),
+                     " (runs as plain autograd)" if plain else "")
 
     def _verify(self, entry: StepPlan, memory: StepMemory) -> None:
         measured = memory.baseline_peak()
@@ -593,7 +615,7 @@ class AutoPlanner:
         self.history.append({"step": self.steps, "step_key": entry.key, "limit_bytes": limit,
                              "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
                              "measured_peak_bytes": measured})
-        self._log(logging.INFO, "TapeSAC: measured step peak %s (predicted %s, limit %s)", fmt_bytes(measured),
+        self._log(logging.INFO, "TapeSAC: first step under the plan: measured peak %s (predicted %s, limit %s)", fmt_bytes(measured),
                  fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True
         if measured <= limit:

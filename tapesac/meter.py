@@ -48,6 +48,8 @@ from .tape import flatten_outputs
 # Invariants the counter keeps:
 #   1. Leaving removes exactly this counter from the dispatch mode stack, wherever it is; modes
 #      entered after it (a FlopCounterMode around a step, a second counter) stay, in order.
+#      ``enter_below`` puts it under every mode already there, so that a mode entered before it
+#      and left while it is active (the user's, around a step boundary) still pops itself.
 #   2. Its own bookkeeping runs no ops, so no other mode below it sees (or counts) anything the
 #      counter does; two active counters each count every real allocation once.
 #   3. A storage is counted at most once per counter, under the bytes this counter attributes to
@@ -123,6 +125,38 @@ class StorageCounter(TorchDispatchMode):
                 _active_counters.remove(self)
                 if not _active_counters:
                     _remove_resize_hook()
+
+    def enter_below(self) -> "StorageCounter":
+        """Enter at the bottom of the dispatch mode stack: it still sees every op the modes
+        above pass down, and their own last-in, first-out exits stay correct (invariant 1)."""
+        depth = python_dispatch._len_torch_dispatch_stack()
+        above = [python_dispatch._pop_torch_dispatch_stack(None) for _ in range(depth)]
+        above.reverse()
+        # The flags each mode above saved on entry described the stack below it; with this
+        # counter under all of them, "a mode is active" holds for every one of them.
+        in_mode, non_infra, without_ignore = (python_dispatch._is_in_torch_dispatch_mode,
+                                              python_dispatch._is_in_non_infra_torch_dispatch_mode,
+                                              python_dispatch._is_in_any_mode_without_ignore_compile_internals)
+        python_dispatch._is_in_torch_dispatch_mode = False
+        python_dispatch._is_in_non_infra_torch_dispatch_mode = False
+        python_dispatch._is_in_any_mode_without_ignore_compile_internals = False
+        self.__enter__()
+        below_in, below_non_infra, below_without = True, not self.is_infra_mode(), not self.ignore_compile_internals()
+        for m in above:
+            python_dispatch._push_on_torch_dispatch_stack(m)
+            if getattr(m, "old_dispatch_mode_flags", None):
+                m.old_dispatch_mode_flags[-1] = below_in
+                m.old_non_infra_dispatch_mode_flags[-1] = m.old_non_infra_dispatch_mode_flags[-1] or below_non_infra
+                m.old_without_ignore_compile_internals_dispatch_mode_flags[-1] = (
+                    m.old_without_ignore_compile_internals_dispatch_mode_flags[-1] or below_without)
+            below_non_infra = below_non_infra or not m.is_infra_mode()
+            below_without = below_without or not m.ignore_compile_internals()
+        python_dispatch._is_in_torch_dispatch_mode = True
+        python_dispatch._is_in_non_infra_torch_dispatch_mode = non_infra or below_non_infra
+        python_dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore or below_without
+        python_dispatch.set_is_in_mode_without_ignore_compile_internals(
+            python_dispatch._is_in_any_mode_without_ignore_compile_internals)
+        return self
 
     # Bookkeeping (invariant 2: no torch ops in here) --------------------------------------------
 
@@ -303,7 +337,7 @@ class CpuMeter:
     def start(self) -> None:
         self.counter.track(self._track)
         self._track = []
-        self.counter.__enter__()
+        self.counter.enter_below()  # a step boundary may fall inside the user's own modes
         self.mark()
 
     def stop(self) -> None:

@@ -17,6 +17,14 @@ _VALUE_NAME = re.compile(r"^%(?P<op>\d+)\.(?P<slot>\d+) (?P<op_name>\S+)$")
 _SHORT = {"scaled_dot_product": "sdpa"}
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes for people: 1.50 GiB, 312.0 MiB, 4.0 KiB, 12 B."""
+    for unit, size in _BYTE_UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
 def bytes_unit(largest: float) -> tuple[str, float]:
     """The unit that shows ``largest`` bytes with one to four digits before the point:
     ``("GiB", 2**30)``, ``("MiB", 2**20)``, ``("KiB", 2**10)`` or ``("B", 1)``."""

@@ -131,7 +131,10 @@ def planned(model_fn: Callable[[], Model], loop: Loop, seqs: list[int], limit: f
     expected = train(model_fn(), loop, seqs)
     model = model_fn()
     handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=int(limit), **config))
-    actual = train(model, loop, seqs, handle)
+    try:
+        actual = train(model, loop, seqs, handle)
+    finally:
+        handle.remove()  # a trace started at the last step boundary ends here
     assert_same(expected, actual)
     return handle, [peak for _l, _g, peak in actual]
 
@@ -194,7 +197,7 @@ def test_new_sequence_length_runs_replay_only_until_planned_and_plans_are_cached
     over = [(s, p) for s, p in enumerate(peaks) if s >= 1 and p > limit]
     assert not over, f"steps over the limit {limit:.0f}: {over}"
     assert len(handle.planner.plans) == 2
-    assert sum("TapeSAC plan:" in r.message for r in caplog.records) == 2  # each shape planned once
+    assert sum("TapeSAC plan: limit" in r.message for r in caplog.records) == 2  # each shape planned once
 
 
 def test_one_long_batch_while_profiling_then_constant_shapes():
@@ -232,7 +235,7 @@ def test_a_saved_policy_is_loaded_without_profiling(tmp_path):
 
 
 def test_measured_overshoot_replans_tighter_and_falls_back_to_replay_only(caplog):
-    """Memory the profiled step did not show (a buffer the loop holds from step 3 on) pushes the
+    """Memory the profiled step did not show (a scratch buffer the loop allocates from step 3 on) pushes the
     first planned step over the limit: the plan is tightened until it fits, and when nothing but
     replay-only fits, the run goes on replay-only with a warning instead of raising."""
     model_fn = lambda: Model()  # noqa: E731
@@ -241,12 +244,11 @@ def test_measured_overshoot_replans_tighter_and_falls_back_to_replay_only(caplog
     limit = lo + 0.8 * (hi - lo)
 
     def hog(extra: float) -> Loop:
-        held: list[torch.Tensor] = []
-
         def run(model: Model, step: int, seq: int) -> list[torch.Tensor]:
-            if step >= 2 and not held:
-                held.append(torch.ones(int(extra) // 4))  # float32: 4 bytes each
-            return inner(model, step, seq)
+            scratch = torch.ones(int(extra) // 4) if step >= 2 else None  # float32: 4 bytes each
+            losses = inner(model, step, seq)
+            del scratch  # alive through the step's forwards and backwards
+            return losses
         return run
 
     with caplog.at_level(logging.INFO, logger="tapesac"):
@@ -271,9 +273,11 @@ def test_flop_counter_around_planned_steps_sees_every_flop_and_leaves_the_stack_
     with FlopCounterMode(display=False) as plain_flops:
         train(plain, loop, [48] * 4)
     model = model_fn()
-    tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12))
+    handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12))
     with FlopCounterMode(display=False) as flops:
-        train(model, loop, [48] * 4)
+        train(model, loop, [48] * 4)  # the step boundaries start and stop TapeSAC's meter inside
+    assert [type(m) for m in _get_current_dispatch_mode_stack()] in ([], [StorageCounter])
+    handle.remove()
     assert flops.get_total_flops() >= plain_flops.get_total_flops() > 0
     assert _get_current_dispatch_mode_stack() == []
 
@@ -281,7 +285,7 @@ def test_flop_counter_around_planned_steps_sees_every_flop_and_leaves_the_stack_
 def test_planning_never_draws_from_the_models_random_generator():
     loop, model_fn = LOOPS["dropout"]
     model = model_fn()
-    tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12))
+    handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     for step in range(3):
         torch.manual_seed(step)
@@ -289,3 +293,4 @@ def test_planning_never_draws_from_the_models_random_generator():
         state = torch.get_rng_state()
         opt.step()  # the boundary: profiling ends, calibration and planning happen here
         assert torch.equal(state, torch.get_rng_state()), f"step {step}"
+    handle.remove()

@@ -25,10 +25,14 @@ def _train(kind: str, limit: float | None, **config):
     if limit is not None:
         handle = tapesac.wrap(case.blocks, plan_config=PlanConfig(memory_limit_bytes=int(limit), **config))
     actual = []
-    for s in range(STEPS):
-        actual.append(grads(case, seed=s)[0])
+    try:
+        for s in range(STEPS):
+            actual.append(grads(case, seed=s)[0])
+            if handle is not None:
+                handle.step()
+    finally:
         if handle is not None:
-            handle.step()
+            handle.remove()  # a trace started at the last step boundary ends here
     return expected, actual, handle
 
 

@@ -23,7 +23,7 @@ from torch import nn
 import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.errors import ConfigError
-from tapesac.memory import fmt_bytes
+from tapesac.report import fmt_bytes
 
 from . import cpu_shim
 from .errors import exit_with

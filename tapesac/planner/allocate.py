@@ -22,7 +22,7 @@ import highspy
 import numpy as np
 
 from ..errors import PlanError
-from ..memory import fmt_bytes
+from ..report import fmt_bytes
 from ..stepmodel import StepMemory
 from .milp import Point, Rows
 
