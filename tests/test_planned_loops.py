@@ -8,119 +8,21 @@ entered around the whole step), and every step after the first plan must stay un
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.meter import StorageCounter
 
-
-class Block(nn.Module):
-    """A small pre-norm transformer block, activation-heavy (tokens >> parameters)."""
-
-    def __init__(self, d: int = 32, heads: int = 4, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.dropout = dropout
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + F.dropout(self.proj(a), self.dropout, self.training)
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class Model(nn.Module):
-    """Embedding, blocks applied in ``order`` (a block may appear twice: weight sharing), head."""
-
-    def __init__(self, blocks: int = 3, order: list[int] | None = None, dropout: float = 0.0,
-                 vocab: int = 64, d: int = 32) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Block(d, dropout=dropout) for _ in range(blocks))
-        self.head = nn.Linear(d, vocab)
-        self.order = order or list(range(blocks))
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for i in self.order:
-            h = self.layers[i](h)
-        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.roll(-1, 1).flatten())
-
-
-def tokens(step: int, micro: int, seq: int, batch: int = 4) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randint(0, 64, (batch, seq), generator=g)
-
-
-Loop = Callable[[Model, int, int], list[torch.Tensor]]
-
-
-def forwards_first(micro: int) -> Loop:
-    """Gradient accumulation: every micro-batch's forward, then every backward."""
-    def run(model: Model, step: int, seq: int) -> list[torch.Tensor]:
-        losses = [model(tokens(step, m, seq)) / micro for m in range(micro)]
-        for loss in losses:
-            loss.backward()
-        return losses
-    return run
-
-
-def interleaved(micro: int) -> Loop:
-    def run(model: Model, step: int, seq: int) -> list[torch.Tensor]:
-        losses = []
-        for m in range(micro):
-            losses.append(model(tokens(step, m, seq)) / micro)
-            losses[-1].backward()
-        return losses
-    return run
-
-
-def retained(model: Model, step: int, seq: int) -> list[torch.Tensor]:
-    """Two backwards through one retained graph (e.g. two losses on one forward)."""
-    loss = model(tokens(step, 0, seq))
-    loss.backward(retain_graph=True)
-    (loss * 0.5).backward()
-    return [loss]
-
-
-def _tracked(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    out += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def train(model: Model, loop: Loop, seqs: list[int], handle=None):
-    """Per step: (losses, gradients, peak bytes measured around the whole step)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    results = []
-    for step, seq in enumerate(seqs):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(step)  # dropout draws the same numbers in both runs
-        counter = StorageCounter()
-        counter.track(_tracked(model, opt))
-        with counter:
-            losses = loop(model, step, seq)
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            opt.step()
-        results.append(([loss.detach() for loss in losses], grads, counter.peak_bytes))
-    return results
+from .loops import LOOPS, Loop, Model, forwards_first, interleaved, train  # noqa: F401
 
 
 def assert_same(expected, actual) -> None:
-    for step, ((le, ge, _), (la, ga, _)) in enumerate(zip(expected, actual)):
+    for step, ((le, ge, *_), (la, ga, *_)) in enumerate(zip(expected, actual)):
         assert all(torch.equal(a, b) for a, b in zip(le, la)), f"step {step}: losses differ"
         assert ge.keys() == ga.keys()
         for n in ge:
@@ -136,7 +38,7 @@ def planned(model_fn: Callable[[], Model], loop: Loop, seqs: list[int], limit: f
     finally:
         handle.remove()  # a trace started at the last step boundary ends here
     assert_same(expected, actual)
-    return handle, [peak for _l, _g, peak in actual]
+    return handle, [peak for _l, _g, peak, _a in actual]
 
 
 def span(model_fn: Callable[[], Model], loop: Loop, seq: int) -> tuple[float, float]:
@@ -147,15 +49,6 @@ def span(model_fn: Callable[[], Model], loop: Loop, seq: int) -> tuple[float, fl
 
 def first_planned_step(handle) -> int:
     return min(r["step"] for r in handle.planner.history)
-
-
-LOOPS = {
-    "accumulate_forwards_first": (forwards_first(3), lambda: Model()),
-    "accumulate_interleaved": (interleaved(2), lambda: Model()),
-    "block_applied_twice": (forwards_first(1), lambda: Model(blocks=2, order=[0, 1, 0, 1])),
-    "retain_graph": (retained, lambda: Model()),
-    "dropout": (forwards_first(2), lambda: Model(dropout=0.2)),
-}
 
 
 @pytest.mark.parametrize("name", sorted(LOOPS))
