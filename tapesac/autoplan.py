@@ -296,6 +296,8 @@ class AutoPlanner:
         """Whether every rank ran that key."""
         self._last_active: StepPlan | None = None
         """The plan the last step ran under (None: replay-only)."""
+        self.last_step_mode = "warm-up"
+        """How the last step ran, in words: warm-up, profiled, planned, verified, replay-only."""
         self._warned_no_boundary = False
         for s in handle.blocks:
             s.controller = self
@@ -436,6 +438,10 @@ class AutoPlanner:
         self._last_key, self._last_same = key, same
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
+        planned = active is not None and active.key == key and not off_plan
+        self.last_step_mode = ("profiled" if purpose == "profile" else "warm-up" if self.phase is Phase.WARMUP
+                               else "verified" if purpose == "verify" and planned and not active.verified
+                               else "planned" if planned else "replay-only (no plan for these shapes yet)")
         if mismatch and active is not None and active.key in self.plans:
             self._log(logging.WARNING, "TapeSAC: a block's tape differs from the one its plan was made for (the "
                         "program or a saved policy changed); dropping the plan and profiling again")

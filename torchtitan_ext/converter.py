@@ -81,6 +81,26 @@ def memory_limit_bytes(cfg: Any, device: torch.device) -> tuple[int, int]:
     return limit, capacity
 
 
+def _limit_source(cfg: Any, device: torch.device, capacity: int) -> str:
+    """Where the limit came from, in words."""
+    if cfg.limit_gib > 0:
+        return f"tapesac.limit_gib = {cfg.limit_gib}"
+    if device.type == "cuda":
+        return f"tapesac.budget {cfg.budget} of the GPU's {fmt_bytes(capacity)}"
+    if cfg.cpu_capacity_gib > 0:
+        what = f"tapesac.cpu_capacity_gib = {cfg.cpu_capacity_gib}"
+    else:
+        what = "this node's memory divided by its ranks"
+    return (f"tapesac.budget {cfg.budget} of {fmt_bytes(capacity)}: on CPU there is no device memory, "
+            f"so the 'device' is {what}, and the peak counted is the bytes of live tensor storages")
+
+
+def _info(message: str) -> None:
+    """Rank 0 speaks for all ranks (they make the same decisions)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info(message)
+
+
 def _artifact(path: str, dump_folder: str, default: str) -> str | None:
     if path.lower() == "none":
         return None
@@ -127,7 +147,8 @@ class TapeSACConverter:
         cfg = self.cfg
         if cfg.mode == "replay_only":
             self.handle = tapesac.wrap(blocks, debug=cfg.debug)
-            logger.info(f"TapeSAC: replay-only on {len(blocks)} blocks")
+            _info(f"TapeSAC: replay-only on {len(blocks)} blocks: nothing a block makes is kept, "
+                  "backward recomputes only what it reads")
             return
         limit, capacity = memory_limit_bytes(cfg, device)
         self.limit_bytes = limit
@@ -146,9 +167,9 @@ class TapeSACConverter:
                          f"{self.job_config.model.flavor}"},
         )
         self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
-        how = "limit_gib" if cfg.limit_gib > 0 else f"budget {cfg.budget} of {fmt_bytes(capacity)}"
-        logger.info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
-                    f"({how}), profiling after {cfg.warmup_steps} warm-up step(s)")
+        _info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
+              f"({_limit_source(cfg, device, capacity)}); {cfg.warmup_steps} warm-up step(s) replay-only, "
+              "then one profiled step, then the plan")
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
@@ -179,13 +200,15 @@ class TapeSACConverter:
         if "tapesac/predicted_peak_gib" in m:
             parts.append(f"predicted peak {m['tapesac/predicted_peak_gib'] * 1024:.1f} MiB")
         if "tapesac/measured_peak_gib" in m:
-            parts.append(f"measured {m['tapesac/measured_peak_gib'] * 1024:.1f} MiB")
+            step = self.handle.planner.history[-1]["step"]
+            parts.append(f"measured {m['tapesac/measured_peak_gib'] * 1024:.1f} MiB (step {step})")
         parts.append(f"kept {m.get('tapesac/kept_gib', 0) * 1024:.1f} MiB")
         if "tapesac/recompute_ms" in m:
             parts.append(f"recompute {m['tapesac/recompute_ms']:.1f} ms (predicted)")
         parts.append(f"replayed {int(m.get('tapesac/replayed_ops', 0))} ops")
-        phase = self.handle.planner.phase.value if self.handle is not None and self.handle.planner else "replay-only"
-        return f"TapeSAC [{phase}]: " + ", ".join(parts)
+        planner = self.handle.planner if self.handle is not None else None
+        mode = planner.last_step_mode if planner is not None else "replay-only"
+        return f"TapeSAC [{mode}]: " + ", ".join(parts)
 
 
 def _report_metrics() -> None:
