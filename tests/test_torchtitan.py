@@ -112,6 +112,20 @@ def test_micro_batches_with_a_tight_limit_and_a_corrupt_policy_file(tmp_path):
     json.loads((dump / "tapesac" / "policy.json").read_text())  # replaced by the new plan
 
 
+def test_fsdp_with_tensor_parallel_on_four_ranks_plans_once_for_all(tmp_path):
+    """FSDP2 x TP2: the tape signatures carry no process-group names, so all four ranks (two TP
+    groups) plan together and apply one policy; losses equal the baseline's to the bit."""
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    out, base = run_titan(tmp_path, "tp_base", BASELINE, *tp, nproc=4, steps=4)
+    _ok(out)
+    out, records = run_titan(tmp_path, "tp", CONFIG, *tp, "--tapesac.limit_gib", "8", nproc=4, steps=4)
+    _ok(out)
+    assert [r["losses"] for r in records] == [r["losses"] for r in base]
+    assert all(r["planned"] for r in records)
+    assert all(r["policy"] == records[0]["policy"] for r in records)
+    assert all(h["measured_peak_bytes"] <= 8 * 2**30 for h in records[0]["history"]) and records[0]["history"]
+
+
 def test_replay_only_mode_matches_baseline(tmp_path, baseline):
     out, records = run_titan(tmp_path, "ro", CONFIG, "--tapesac.mode", "replay_only")
     _ok(out)
