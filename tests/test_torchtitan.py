@@ -102,10 +102,13 @@ def test_micro_batches_with_a_tight_limit_and_a_corrupt_policy_file(tmp_path):
     dump = tmp_path / "dump"
     (dump / "tapesac").mkdir(parents=True)
     (dump / "tapesac" / "policy.json").write_bytes(bytes(range(256)) * 4)
-    out, records = run_titan(tmp_path, "ga", CONFIG, *accumulate, "--tapesac.limit_gib", "0.085", dump=dump)
+    out, records = run_titan(tmp_path, "ga", CONFIG, *accumulate, "--tapesac.limit_gib", "0.085",
+                             "--metrics.enable_tensorboard", dump=dump)
     _ok(out)
     log = out.stdout + out.stderr
     assert "ignoring policy file" in log and "TapeSAC plan: limit" in log
+    assert "TapeSAC [planned]: limit 87.0 MiB, predicted peak" in log  # under torchtitan's step line
+    assert_tensorboard_has_tapesac_metrics(dump)
     assert [r["losses"] for r in records] == [r["losses"] for r in base]
     assert records[0]["policy"] == records[1]["policy"] and any(keep for _i, keep, _s in records[0]["policy"])
     assert records[0]["history"] and all(h["measured_peak_bytes"] <= 0.085 * 2**30 for h in records[0]["history"])
@@ -124,6 +127,20 @@ def test_fsdp_with_tensor_parallel_on_four_ranks_plans_once_for_all(tmp_path):
     assert all(r["planned"] for r in records)
     assert all(r["policy"] == records[0]["policy"] for r in records)
     assert all(h["measured_peak_bytes"] <= 8 * 2**30 for h in records[0]["history"]) and records[0]["history"]
+
+
+def assert_tensorboard_has_tapesac_metrics(dump: Path) -> None:
+    """``python -m torchtitan.train`` runs the trainer as ``__main__``: the metrics must get there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in (dump / "tb").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags.update(acc.Tags()["scalars"])
+    expected = {"tapesac/limit_gib", "tapesac/predicted_peak_gib", "tapesac/measured_peak_gib",
+                "tapesac/kept_gib", "tapesac/recompute_ms", "tapesac/replayed_ops"}
+    assert expected <= tags, sorted(tags)
 
 
 def test_replay_only_mode_matches_baseline(tmp_path, baseline):
