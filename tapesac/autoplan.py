@@ -286,7 +286,8 @@ class AutoPlanner:
         self._started = False
         self._manual_steps = False
         self._optimizers: list[weakref.ref] = []
-        self._optimizer_owns: dict[int, bool] = {}
+        self._optimizer_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """Optimizer -> whether it steps parameters of the wrapped blocks."""
         self._overheads: tuple[float, float] | None = None
         self._orders: dict[int, list[int]] = {}
         """Per block, the unpack order of the last traced step."""
@@ -301,7 +302,16 @@ class AutoPlanner:
         self._warned_no_boundary = False
         for s in handle.blocks:
             s.controller = self
-        self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+        # The hook is process-wide: it holds the planner weakly, and goes with it or remove().
+        planner = weakref.ref(self)
+
+        def after_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            p = planner()
+            if p is not None:
+                p._after_optimizer_step(optimizer)
+
+        self._hook = register_optimizer_step_post_hook(after_optimizer_step)
+        weakref.finalize(self, self._hook.remove)
 
     # Step boundaries ----------------------------------------------------------------------------
 
@@ -310,14 +320,14 @@ class AutoPlanner:
         self._manual_steps = True
         self._boundary()
 
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._manual_steps:
             return
-        owns = self._optimizer_owns.get(id(optimizer))
+        owns = self._optimizer_owns.get(optimizer)
         if owns is None:
             mine = {id(p) for s in self.handle.blocks for p in s.module.parameters()}
             owns = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
-            self._optimizer_owns[id(optimizer)] = owns
+            self._optimizer_owns[optimizer] = owns
             if owns:
                 self._optimizers.append(weakref.ref(optimizer))
         if owns:

@@ -134,9 +134,8 @@ class StorageCounter(TorchDispatchMode):
         above.reverse()
         # The flags each mode above saved on entry described the stack below it; with this
         # counter under all of them, "a mode is active" holds for every one of them.
-        in_mode, non_infra, without_ignore = (python_dispatch._is_in_torch_dispatch_mode,
-                                              python_dispatch._is_in_non_infra_torch_dispatch_mode,
-                                              python_dispatch._is_in_any_mode_without_ignore_compile_internals)
+        non_infra, without_ignore = (python_dispatch._is_in_non_infra_torch_dispatch_mode,
+                                     python_dispatch._is_in_any_mode_without_ignore_compile_internals)
         python_dispatch._is_in_torch_dispatch_mode = False
         python_dispatch._is_in_non_infra_torch_dispatch_mode = False
         python_dispatch._is_in_any_mode_without_ignore_compile_internals = False
@@ -342,6 +341,35 @@ class CpuMeter:
 
     def stop(self) -> None:
         self.counter.__exit__(None, None, None)
+
+
+class AllocatorPeak:
+    """An independent meter for CPU code, from the PyTorch profiler's allocator events: inside
+    ``with AllocatorPeak() as m:``, the highest running total of the CPU allocator's allocations
+    minus frees, relative to the start (``m.peak_bytes``), and what is left at the end
+    (``m.left_bytes``). It also sees what the storage counter does not (kernel temporaries,
+    compiled code's buffers); it misses frees on threads the profiler does not follow (gloo's)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self.left_bytes = 0
+
+    def __enter__(self) -> "AllocatorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        events = sorted((e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        live = peak = 0
+        for e in events:
+            live += e.nbytes()
+            peak = max(peak, live)
+        self.peak_bytes, self.left_bytes = peak, live
 
 
 def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):

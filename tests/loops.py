@@ -4,13 +4,14 @@ steps with a real optimizer (steps end at ``optimizer.step()``) and measures eac
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapesac.meter import StorageCounter
+from tapesac.meter import AllocatorPeak, StorageCounter
 
 
 class Block(nn.Module):
@@ -110,42 +111,13 @@ def train(model: Model, loop: Loop, seqs: list[int], handle=None, allocator: boo
         live = _tracked(model, opt)
         counter.track(live)
         start_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in live}.values())
-        with _allocator_events(allocator) as events, counter:
+        with AllocatorPeak() if allocator else contextlib.nullcontext() as events, counter:
             losses = loop(model, step, seq)
             opt.step()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        peak = start_bytes + _running_peak(events) if allocator else None
+        peak = start_bytes + events.peak_bytes if allocator else None
         results.append(([loss.detach() for loss in losses], grads, counter.peak_bytes, peak))
     return results
-
-
-class _allocator_events:
-    """The profiler's ``[memory]`` events of the block inside (an empty list when off)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self.events: list = []
-
-    def __enter__(self) -> list:
-        if self.on:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
-        return self.events
-
-    def __exit__(self, *exc) -> None:
-        if self.on:
-            self._prof.__exit__(*exc)
-            self.events.extend(e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]")
-
-
-def _running_peak(events: list) -> int:
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 LOOPS = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
@@ -13,11 +12,7 @@ from tapesac import distributed as tdist
 from tapesac.errors import PolicyError
 from tapesac.stepmodel import StepMemory, Window
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .net import free_port
 
 
 def _worker(rank: int, world: int, port: int, queue) -> None:
@@ -44,7 +39,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 def test_signature_check_profile_reduction_and_broadcast_across_ranks():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

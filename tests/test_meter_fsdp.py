@@ -9,7 +9,6 @@ backward) and False (kept unsharded until the block's backward).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,7 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tapesac.meter import StorageCounter
+from tapesac.meter import AllocatorPeak, StorageCounter
+
+from .net import free_port
 
 N_BLOCKS, DIM, BATCH = 4, 256, 8
 BLOCK_BYTES = (DIM * DIM + DIM) * 4
@@ -30,27 +31,11 @@ MAX_PROFILED_STEPS = 30
 """Profiled steps tried until one has balanced allocator events (about half do)."""
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _allocator_bytes(step) -> tuple[int, int]:
-    """(peak, left alive): highest running total of the CPU allocator's allocations and frees
-    during ``step()``, and the total at its end, from the profiler's ``[memory]`` events
-    (relative to the bytes live when it starts)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """(peak, left alive) of ``step()`` by the profiler's allocator events (relative to its start)."""
+    with AllocatorPeak() as allocator:
         step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak, live
+    return allocator.peak_bytes, allocator.left_bytes
 
 
 def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue) -> None:
@@ -123,7 +108,7 @@ def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue
 def _run(reshard_after_forward: bool) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, reshard_after_forward, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -18,7 +18,7 @@ import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.meter import StorageCounter
 
-from .loops import LOOPS, Loop, Model, forwards_first, interleaved, train  # noqa: F401
+from .loops import LOOPS, Loop, Model, forwards_first, train
 
 
 def assert_same(expected, actual) -> None:

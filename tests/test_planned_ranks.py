@@ -5,18 +5,13 @@ rank runs) can make the ranks call different collectives and hang."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .net import free_port
 
 
 def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
@@ -28,7 +23,7 @@ def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
         import tapesac
         from tapesac.autoplan import PlanConfig
 
-        from .test_planned_loops import Model, forwards_first
+        from .loops import Model, forwards_first
 
         model = Model()
         seq = 48
@@ -69,7 +64,7 @@ def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
 def _run(scenario: str, tmp) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, scenario, str(tmp), queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -19,6 +19,8 @@ from torch import nn
 import tapesac
 from tapesac.tape import EXTERNAL, PRODUCED, Ref, Tape, TapeOp
 
+from .net import free_port
+
 aten = torch.ops.aten
 
 
@@ -250,13 +252,6 @@ def test_parameter_version_is_not_in_the_signature():
 
 # Across ranks ----------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_worker(rank: int, world: int, port: int, queue) -> None:
     import os
@@ -292,7 +287,7 @@ def test_a_rank_with_another_shape_gets_the_same_error_on_every_rank():
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

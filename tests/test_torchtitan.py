@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -12,18 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from .net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "train_configs/llama3_debug_cpu.toml"
 BASELINE = "train_configs/llama3_debug_cpu_baseline.toml"
 STEPS = 5
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_titan(tmp: Path, name: str, config: str, *overrides: str, nproc: int = 2,
@@ -152,7 +147,7 @@ def test_replay_only_mode_matches_baseline(tmp_path, baseline):
 
 
 def test_two_nodes_on_loopback_match_baseline(tmp_path, baseline, planned_limit_gib):
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",

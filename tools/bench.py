@@ -205,7 +205,7 @@ class Runner:
         bytes alive at the start (parameters, optimizer state, batch) plus the highest running
         total of allocations and frees during one step. Unlike a dispatch mode it also sees
         compiled code; for eager code it equals ``tapesac.meter.StorageCounter`` exactly."""
-        from torch.profiler import ProfilerActivity, profile
+        from tapesac.meter import AllocatorPeak
 
         if SETUP.device == "cuda":  # the caching allocator's own statistics
             self.step(batch)
@@ -215,17 +215,10 @@ class Runner:
         alive = [*self.model.parameters(), *self.model.buffers(), *batch,
                  *(v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
         base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}.values())
-        peak = 0
         for _ in range(2):  # the first profiled step of a process also counts one-off allocations
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with AllocatorPeak() as allocator:
                 self.step(batch)
-            events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                            key=lambda e: e.start_ns())
-            live = peak = 0
-            for e in events:
-                live += e.nbytes()
-                peak = max(peak, live)
-        return base + peak
+        return base + allocator.peak_bytes
 
     @property
     def planner(self):
@@ -275,6 +268,7 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
         "3/4": full_ac + 0.75 * (no_ac - full_ac), "no AC": no_ac,
     }
     from tapesac.errors import PlanError
+    from torchtitan_ext.errors import TapeSACExit
 
     for where, limit in limits.items():
         name = f"TapeSAC @ {where} peak"
@@ -284,8 +278,8 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
         try:
             for i in range(4):  # warm-up, profile, verify (re-plan if needed), planned
                 r.step(batches[i % len(batches)])
-        except PlanError as e:  # below what TapeSAC can reach (replay-only stands for it)
-            log(f"  {name}: {e}")
+        except (PlanError, TapeSACExit) as e:  # below what TapeSAC can reach (replay-only stands for it)
+            log(f"  {name}: {getattr(e, 'error', e)}")
             continue
         runners.append(r)
         peaks[name] = r.peak(batches[0])

@@ -29,11 +29,20 @@ def _say(error: BaseException) -> None:
         time.sleep(_OTHER_RANKS_WAIT_S)
 
 
+class TapeSACExit(SystemExit):
+    """Ends a rank after a TapeSAC error was printed; ``error`` is that error (harnesses that
+    drive torchtitan's trainer in-process, like ``tools/bench.py``, may catch it)."""
+
+    def __init__(self, error: TapeSACError) -> None:
+        super().__init__(EXIT_STATUS)
+        self.error = error
+
+
 def exit_with(error: TapeSACError) -> NoReturn:
     """Print ``error`` once and end this rank (every rank meets the same error)."""
     _say(error)
     sys.stdout.flush()
-    raise SystemExit(EXIT_STATUS)
+    raise TapeSACExit(error)
 
 
 _previous_hook = sys.excepthook

@@ -200,7 +200,6 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
 
     Returns a strictly better choice and its status, or None (keep the greedy one)."""
     cols, rows = _coefficients(memory, frontiers, deltas)
-    n = len(cols)
     scale = max(limit_bytes, 1.0)
     t_scale = max([p.time for pts in frontiers.values() for p in pts] + [1e-30])
     cost = np.array([frontiers[b][i].time / t_scale for b, i in cols])
