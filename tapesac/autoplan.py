@@ -64,8 +64,8 @@ class PlanConfig:
     """Replay-only optimizer steps before the first profile (the first one allocates optimizer
     state once)."""
     profile_steps: int = 1
-    """Kept for compatibility: one profiled step per step key (its ops are timed ``repeats``
-    times)."""
+    """Accepted for compatibility and must be 1 or more; one step is profiled per step shape
+    (its ops timed ``repeats`` times each)."""
     repeats: int = 3
     """Runs per op when timing (median)."""
     timing_reduction: str = "max"
@@ -134,6 +134,10 @@ def check_settings(settings: Any, names: dict[str, str] | None = None) -> None:
     integer("warmup_steps", 0)
     integer("profile_steps", 1)
     integer("repeats", 1)
+    for field, low in (("max_replans", 0), ("max_plans", 1), ("max_profile_failures", 1),
+                       ("points_per_block", 2), ("frontier_points", 0)):
+        if names.get(field, field).rsplit(".", 1)[-1] in getattr(settings, "__dataclass_fields__", {}):
+            integer(field, low)
     solver = get("solver_time_limit_s")
     if not isinstance(solver, (int, float)) or not solver >= 0:
         fail("solver_time_limit_s", ">= 0")
@@ -154,8 +158,9 @@ class StepPlan:
     """The plan of one step key, and what it was made from (None for a loaded policy)."""
 
     key: str
-    input_keys: dict[int, str]
-    """Per block, the input signature its recordings had in the profiled step."""
+    recordings: list[tuple[int, str]]
+    """(block, input signature) of every recording of the profiled step, in order: a step runs
+    under this plan only while its recordings follow this list."""
     policy: Policy
     plan: Plan | None = None
     graphs: dict[int, BlockGraph] | None = None
@@ -168,7 +173,6 @@ class StepPlan:
 
 @dataclasses.dataclass
 class _Recording:
-    rid: int
     block: int
     input_key: str
 
@@ -183,7 +187,10 @@ class _StepState:
     active: StepPlan | None = None
     """The plan chosen at the step's first recording."""
     off_plan: bool = False
-    """A recording ran without the active plan's entry (other shapes): replay-only."""
+    """The step left the active plan's recordings (other shapes, more micro-batches): from then on
+    it runs replay-only, and what its earlier recordings kept was released."""
+    replayers: list[weakref.ref] = dataclasses.field(default_factory=list)
+    """This step's recordings under the plan (released when the step leaves it)."""
     mismatch: bool = False
     """A recording's tape did not match the active plan's signature."""
     forwards: int = 0
@@ -334,10 +341,13 @@ class AutoPlanner:
             self._boundary()
 
     def _boundary(self) -> None:
-        if not self._step.forwards:  # a second optimizer of the same step, or no forward at all
+        # Every rank that reaches a boundary takes part in its all-reduce, forwards or not (a rank
+        # skipping it would leave the others waiting); a boundary at which no rank ran a block
+        # forward (a second optimizer of the same step) ends nothing.
+        if not self._step.forwards and not tdist.active(self.group):
             return
-        self._end_step()
-        self._begin_step()
+        if self._end_step():
+            self._begin_step()
 
     def current_policy(self) -> Policy | None:
         """The policy of the plan the current (or last) step runs under; None: replay-only."""
@@ -365,21 +375,34 @@ class AutoPlanner:
                         "end at optimizer.step() of an optimizer over the blocks' parameters, or "
                         "at handle.step(); call handle.step() once per step if you step otherwise")
         ik = input_key(args, kwargs or {})
-        if not step.recordings:
+        i = len(step.recordings)
+        if i == 0:
             step.active = self._choose(state.index, ik)
-        entry = None
         active = step.active
-        if self.phase is not Phase.PROFILE and active is not None and active.input_keys.get(state.index) == ik:
-            entry = active.policy.blocks.get(state.index)
-        elif active is not None:
-            step.off_plan = True
+        entry = None
+        if active is not None and not step.off_plan and self.phase is Phase.PLANNED:
+            if i < len(active.recordings) and active.recordings[i] == (state.index, ik):
+                entry = active.policy.blocks.get(state.index)
+            else:
+                self._leave_plan(step)
         state.use_policy(entry, active.policy.predicted_peak_bytes if entry is not None else None)
         rid = self._next_rid
         self._next_rid += 1
         state.recording_id = rid
-        step.recordings.append(_Recording(rid, state.index, ik))
+        step.recordings.append(_Recording(state.index, ik))
         if self._trace is not None:
             self._trace.forward_start(rid, state.index)
+
+    def _leave_plan(self, step: _StepState) -> None:
+        """The step is not the one the plan was made for: run the rest replay-only, and release
+        what earlier recordings kept (replay rebuilds it), so the step costs at most what the plan
+        was made for plus replay-only. Pass-through recordings (plain autograd) keep theirs."""
+        step.off_plan = True
+        for ref in step.replayers:
+            r = ref()
+            if r is not None:
+                r.release_kept()
+        step.replayers = []
 
     def after_forward(self, state, replayer) -> None:
         rid = state.recording_id
@@ -392,6 +415,8 @@ class AutoPlanner:
                 weakref.finalize(replayer, trace.released, rid)
         if self.phase is Phase.PROFILE and replayer is not None:
             self._step.tapes.append((state.index, state.last_tape))
+        elif replayer is not None and self._step.active is not None and not self._step.off_plan:
+            self._step.replayers.append(weakref.ref(replayer))
 
     def policy_mismatch(self, state, signature: str) -> bool:
         """A recording's tape does not fit its plan: it runs replay-only (the block drops what it
@@ -413,21 +438,25 @@ class AutoPlanner:
     # Choosing a plan ----------------------------------------------------------------------------
 
     def _choose(self, block: int, ik: str) -> StepPlan | None:
-        """The plan for a step whose first recording is ``block`` on inputs ``ik``."""
-        for entry in reversed(list(self.plans.values())):
-            if entry.input_keys.get(block) == ik:
+        """The plan for a step whose first recording is ``block`` on inputs ``ik``: the last
+        step's if it starts so (steps repeat), else the newest that does."""
+        last = self.plans.get(self._last_key) if self._last_key is not None else None
+        candidates = ([last] if last is not None else []) + list(reversed(self.plans.values()))
+        for entry in candidates:
+            if entry.recordings and entry.recordings[0] == (block, ik):
                 return entry
         return None
 
     # The end of a step --------------------------------------------------------------------------
 
-    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool]:
-        """(every rank ran this key, some rank's tape mismatched its plan, some rank failed its
-        profile, some rank ran off its plan): one all-reduce, so every rank decides alike."""
+    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool, bool]:
+        """(some rank ran a forward, every rank ran this key, some rank's tape mismatched its plan,
+        some rank failed its profile, some rank ran off its plan): one all-reduce, so every rank
+        decides alike."""
         step = self._step
-        flags = [step.mismatch, failed, step.off_plan]
+        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan]
         if not tdist.active(self.group):
-            return (True, *flags)
+            return (flags[0], True, *flags[1:])
         import torch.distributed as dist
 
         h = int(key, 16) >> 2
@@ -435,15 +464,18 @@ class AutoPlanner:
         t = torch.tensor([h, -h, *[int(f) for f in flags]], dtype=torch.int64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         v = t.tolist()
-        return (v[0] == -v[1], bool(v[2]), bool(v[3]), bool(v[4]))
+        return (bool(v[2]), v[0] == -v[1], bool(v[3]), bool(v[4]), bool(v[5]))
 
-    def _end_step(self) -> None:
+    def _end_step(self) -> bool:
+        """Close the step on every rank alike; False when no rank ran a forward (nothing ended)."""
         step = self._step
         key = step_key(step.recordings)
         purpose = self._trace_purpose
-        memory = self._finish_trace()
         profile_error = self._check_profile(step) if purpose == "profile" else None
-        same, mismatch, failed, off_plan = self._agree(key, profile_error is not None)
+        ran, same, mismatch, failed, off_plan = self._agree(key, profile_error is not None)
+        if not ran:
+            return False
+        memory = self._finish_trace()
         self.steps += 1
         self._last_key, self._last_same = key, same
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
@@ -456,6 +488,7 @@ class AutoPlanner:
             self._log(logging.WARNING, "TapeSAC: a block's tape differs from the one its plan was made for (the "
                         "program or a saved policy changed); dropping the plan and profiling again")
             del self.plans[active.key]
+            self._profile_failed(active.key, "the program changed under its plan")  # no endless re-profiling
             active = None
         if not same and (purpose == "profile" or self.steps >= self.config.warmup_steps):
             self._fail(PolicyError(
@@ -471,6 +504,7 @@ class AutoPlanner:
         elif (purpose == "verify" and memory is not None and same and not off_plan and active is not None
               and active.key == key and not active.verified):
             self._verify(active, memory)
+        return True
 
     def _begin_step(self) -> None:
         self._step = _StepState()
@@ -558,8 +592,8 @@ class AutoPlanner:
             g.record_overhead_s = record_s * len(by_block[b][0].ops)
         self._log(logging.INFO, "TapeSAC: planning %d block(s) of %d kind(s) for a step-peak limit of %s",
                   len(graphs), len({g.signature for g in graphs.values()}), fmt_bytes(self.config.memory_limit_bytes))
-        input_keys = {r.block: r.input_key for r in step.recordings}
-        entry = StepPlan(key, input_keys, Policy.replay_only(signatures), graphs=graphs, memory=memory,
+        recordings = [(r.block, r.input_key) for r in step.recordings]
+        entry = StepPlan(key, recordings, Policy.replay_only(signatures), graphs=graphs, memory=memory,
                          limit_bytes=float(self.config.memory_limit_bytes))
         self._solve(entry, entry.limit_bytes, first=True)
         self.plans[key] = entry
@@ -575,11 +609,14 @@ class AutoPlanner:
                                  solver_time_limit_s=cfg.solver_time_limit_s, margin=cfg.safety_margin,
                                  passthrough=not entry.memory.backwards_twice(),
                                  meta={"limit_requested_bytes": cfg.memory_limit_bytes, "step_key": entry.key,
-                                       "input_keys": {str(b): k for b, k in entry.input_keys.items()},
+                                       "recordings": [list(r) for r in entry.recordings],
                                        **cfg.policy_meta})
                 payload = ("plan", plan)
             except PlanError as e:
                 payload = ("error", str(e))
+            except Exception as e:  # noqa: BLE001 - never leave the other ranks in the broadcast
+                payload = ("error", f"TapeSAC: the planner failed ({type(e).__name__}: {e}); please "
+                                    "report it with the saved block graphs (PlanConfig.graph_dir)")
         kind, value = tdist.broadcast(payload, self.group)
         if kind == "error":
             if first:
@@ -596,10 +633,14 @@ class AutoPlanner:
         entry.verified = not cfg.verify
         if tdist.rank(self.group) == 0:
             self._describe(value, entry.graphs, limit)
-            written = save_plan(value, entry.graphs, policy_path=cfg.policy_path,
-                                frontier_path=cfg.frontier_path, graph_dir=cfg.graph_dir)
-            if written:
-                log.info("TapeSAC plan: wrote %s", ", ".join(written))
+            try:
+                written = save_plan(value, entry.graphs, policy_path=cfg.policy_path,
+                                    frontier_path=cfg.frontier_path, graph_dir=cfg.graph_dir)
+            except OSError as e:  # a file we cannot write never stops training
+                log.warning("TapeSAC: could not write the plan's files: %s", e)
+            else:
+                if written:
+                    log.info("TapeSAC plan: wrote %s", ", ".join(written))
 
     def _describe(self, plan: Plan, graphs: dict[int, BlockGraph] | None, limit: float) -> None:
         """The plan for people (rank 0): the frontier's ends, the choice, what each kind keeps."""
@@ -655,7 +696,8 @@ class AutoPlanner:
     # Saved policies -----------------------------------------------------------------------------
 
     def _load_policy(self) -> None:
-        """Rank 0 reads the policy file and decides; every rank applies the same (one broadcast)."""
+        """Rank 0 reads the policy file and decides; every rank applies the same (one broadcast).
+        Nothing rank 0 meets in the file may stop it before the broadcast (the others wait there)."""
         path = self.config.policy_path
         if not path:
             return
@@ -666,40 +708,47 @@ class AutoPlanner:
             if os.path.exists(path):
                 try:
                     policy = Policy.load(path)
-                    self._check_loaded(policy)
-                    payload = ("policy", policy.to_json())
+                    recordings = self._check_loaded(policy)
+                    payload = ("policy", (policy.to_json(), recordings))
                 except PolicyError as e:
                     payload = ("ignored", str(e))
+                except Exception as e:  # noqa: BLE001 - a file must never crash a run
+                    payload = ("ignored", f"{type(e).__name__}: {e}")
         kind, value = tdist.broadcast(payload, self.group)
         if kind == "ignored":
             self._log(logging.WARNING, "TapeSAC: ignoring policy file %s (%s); profiling instead", path, value)
         elif kind == "policy":
-            policy = Policy.from_json(value)
-            keys = policy.meta["input_keys"]
-            entry = StepPlan(policy.meta["step_key"], {int(b): k for b, k in keys.items()}, policy,
+            data, recordings = value
+            policy = Policy.from_json(data)
+            entry = StepPlan(policy.meta["step_key"], recordings, policy,
                              limit_bytes=float(policy.limit_bytes or self.config.memory_limit_bytes),
                              verified=not self.config.verify)
             self.plans[entry.key] = entry
             self.loaded_policy = True
             self._log(logging.INFO, "TapeSAC: loaded policy %s (checked against the recorded tapes)", path)
 
-    def _check_loaded(self, policy: Policy) -> None:
+    def _check_loaded(self, policy: Policy) -> list[tuple[int, str]]:
+        """Why ``policy`` does not fit this run (PolicyError), or the recordings it was made for."""
         requested = policy.meta.get("limit_requested_bytes", policy.limit_bytes)
         if requested != self.config.memory_limit_bytes:
-            raise PolicyError(f"it was planned for a limit of {fmt_bytes(requested or 0)}, not "
+            shown = fmt_bytes(requested) if isinstance(requested, (int, float)) else repr(requested)
+            raise PolicyError(f"it was planned for a limit of {shown}, not "
                               f"{fmt_bytes(self.config.memory_limit_bytes)}")
         for key, value in self.config.policy_meta.items():
             if policy.meta.get(key) != value:
                 raise PolicyError(f"it was planned for {key}={policy.meta.get(key)!r}, not {value!r}")
-        keys = policy.meta.get("input_keys")
-        if not isinstance(policy.meta.get("step_key"), str) or not isinstance(keys, dict) or any(
-                not str(b).isdigit() or not isinstance(k, str) for b, k in keys.items()):
-            raise PolicyError("it does not say which step shapes it was made for (an older TapeSAC?)")
-        if {int(b) for b in keys} != set(policy.blocks):
-            raise PolicyError("its blocks and step shapes do not match")
+        recordings = policy.meta.get("recordings")
+        if not isinstance(policy.meta.get("step_key"), str) or not isinstance(recordings, list) or any(
+                not (isinstance(r, list) and len(r) == 2 and type(r[0]) is int and isinstance(r[1], str))
+                for r in recordings):
+            raise PolicyError("it does not say which step it was made for (made by an older TapeSAC?)")
+        recordings = [(b, k) for b, k in recordings]
+        if {b for b, _k in recordings} != set(policy.blocks):
+            raise PolicyError("its blocks and its step's recordings do not match")
         if not set(policy.blocks) <= {s.index for s in self.handle.blocks}:
             raise PolicyError(f"it covers blocks {sorted(policy.blocks)}, this model has "
                               f"{len(self.handle.blocks)}")
+        return recordings
 
     # Tracing ------------------------------------------------------------------------------------
 

@@ -165,6 +165,13 @@ class Replayer:
 
     # Accounting -------------------------------------------------------------------------------
 
+    def release_kept(self) -> None:
+        """Drop every kept value now; replay rebuilds any that backward still asks for (what it
+        needs for that is pinned, invariant 9). Planned mode calls this when a step leaves the
+        plan it started under."""
+        for vid in list(self.kept):
+            self._drop(vid)
+
     def kept_bytes(self) -> int:
         """Bytes of distinct storages held for backward that the block itself produced."""
         seen: dict[int, int] = {}

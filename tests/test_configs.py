@@ -50,6 +50,7 @@ def test_toml_section_and_eager_plan_config_share_defaults():
     ("budget", 1.5, "tapesac.budget must be in (0, 1]"),
     ("budget", float("nan"), "tapesac.budget must be in (0, 1]"),
     ("limit_gib", -1.0, "tapesac.limit_gib must be >= 0"),
+    ("limit_gib", float("inf"), "tapesac.limit_gib must be >= 0 and finite"),
     ("safety_margin", 1.0, "tapesac.safety_margin must be in [0, 1)"),
     ("profile_repeats", 0, "tapesac.profile_repeats must be an integer >= 1"),
     ("warmup_steps", 1.5, "tapesac.warmup_steps must be an integer >= 0"),

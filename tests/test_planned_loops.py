@@ -187,3 +187,22 @@ def test_planning_never_draws_from_the_models_random_generator():
         opt.step()  # the boundary: profiling ends, calibration and planning happen here
         assert torch.equal(state, torch.get_rng_state()), f"step {step}"
     handle.remove()
+
+
+def test_more_micro_batches_than_the_plan_was_made_for_never_exceed_the_limit():
+    """A step that starts like the planned one but runs more micro-batches leaves the plan at its
+    first extra recording: the rest runs replay-only and what the first micro-batch kept is
+    released; the new step shape is then profiled and planned, and the old plan reused."""
+    model_fn = lambda: Model(blocks=3)  # noqa: E731
+    three, one = forwards_first(3), forwards_first(1)
+    lo3, _ = span(model_fn, three, 48)
+    lo1, hi1 = span(model_fn, one, 48)
+    limit = max(lo3 * 1.02, lo1 + 0.9 * (hi1 - lo1))
+
+    def varying(model: Model, step: int, seq: int) -> list[torch.Tensor]:
+        return (three if 4 <= step < 8 else one)(model, step, seq)
+
+    handle, peaks = planned(model_fn, varying, [48] * 10, limit)
+    over = [(s, p) for s, p in enumerate(peaks) if s >= 2 and p > limit]
+    assert not over, f"steps over the limit {limit:.0f}: {over}"
+    assert len(handle.planner.plans) == 2

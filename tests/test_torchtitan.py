@@ -169,7 +169,7 @@ def test_two_nodes_on_loopback_match_baseline(tmp_path, baseline, planned_limit_
 @pytest.mark.parametrize("overrides, message", [
     (["--tapesac.budget", "1.5"], "tapesac.budget must be in (0, 1]"),
     (["--tapesac.budget", "0"], "tapesac.budget must be in (0, 1]"),
-    (["--tapesac.limit_gib", "-1"], "tapesac.limit_gib must be >= 0"),
+    (["--tapesac.limit_gib", "-1"], "tapesac.limit_gib must be >= 0 and finite"),
     (["--tapesac.profile_steps", "0"], "tapesac.profile_steps must be an integer >= 1"),
     (["--activation_checkpoint.mode", "full"], "TapeSAC replaces activation checkpointing"),
     (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode = \"none\""),

@@ -54,7 +54,8 @@ class TapeSAC:
     state once)."""
 
     profile_steps: int = _PLAN.profile_steps
-    """Profiled steps per step shape (every op timed, memory traced)."""
+    """Accepted for compatibility (>= 1): one step is profiled per step shape, every op timed
+    ``profile_repeats`` times and memory traced."""
 
     profile_repeats: int = _PLAN.repeats
     """Runs per op when timing it (median)."""
@@ -88,8 +89,8 @@ class TapeSAC:
             raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {budget!r}")
         for name in ("limit_gib", "cpu_capacity_gib"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"tapesac.{name} must be >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"tapesac.{name} must be >= 0 and finite, got {value!r}")
         check_settings(self, {f: f"tapesac.{f}" for f in _SHARED} | {"repeats": "tapesac.profile_repeats"})
 
 

@@ -132,7 +132,6 @@ class TapeSACConverter:
             exit_with(e)
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
-        self._model: nn.Module | None = None
         _CONVERTERS.append(weakref.ref(self))
         _report_metrics()
 
@@ -152,7 +151,6 @@ class TapeSACConverter:
             return
         limit, capacity = memory_limit_bytes(cfg, device)
         self.limit_bytes = limit
-        self._model = model
         dump = self.job_config.job.dump_folder
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         plan = PlanConfig(
