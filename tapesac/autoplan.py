@@ -162,6 +162,9 @@ class StepPlan:
     """(block, input signature) of every recording of the profiled step, in order: a step runs
     under this plan only while its recordings follow this list."""
     policy: Policy
+    programs: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Per block, ``Tape.program_hash`` of its profiled program (pass-through blocks check it every
+    forward instead of recording); empty for a loaded policy (its first forwards record)."""
     plan: Plan | None = None
     graphs: dict[int, BlockGraph] | None = None
     memory: StepMemory | None = None
@@ -385,7 +388,10 @@ class AutoPlanner:
                 entry = active.policy.blocks.get(state.index)
             else:
                 self._leave_plan(step)
-        state.use_policy(entry, active.policy.predicted_peak_bytes if entry is not None else None)
+        if entry is None:
+            state.use_policy(None)
+        else:
+            state.use_policy(entry, active.policy.predicted_peak_bytes, active.programs.get(state.index))
         rid = self._next_rid
         self._next_rid += 1
         state.recording_id = rid
@@ -418,7 +424,7 @@ class AutoPlanner:
         elif replayer is not None and self._step.active is not None and not self._step.off_plan:
             self._step.replayers.append(weakref.ref(replayer))
 
-    def policy_mismatch(self, state, signature: str) -> bool:
+    def policy_mismatch(self, state, what: str) -> bool:
         """A recording's tape does not fit its plan: it runs replay-only (the block drops what it
         would keep) and the step is marked; the plan is dropped on every rank at the step's end."""
         self._step.mismatch = True
@@ -593,7 +599,9 @@ class AutoPlanner:
         self._log(logging.INFO, "TapeSAC: planning %d block(s) of %d kind(s) for a step-peak limit of %s",
                   len(graphs), len({g.signature for g in graphs.values()}), fmt_bytes(self.config.memory_limit_bytes))
         recordings = [(r.block, r.input_key) for r in step.recordings]
-        entry = StepPlan(key, recordings, Policy.replay_only(signatures), graphs=graphs, memory=memory,
+        entry = StepPlan(key, recordings, Policy.replay_only(signatures),
+                         programs={b: tapes[0].program_hash() for b, tapes in by_block.items()},
+                         graphs=graphs, memory=memory,
                          limit_bytes=float(self.config.memory_limit_bytes))
         self._solve(entry, entry.limit_bytes, first=True)
         self.plans[key] = entry

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import PolicyError, TapeSACError
-from .recorder import Recorder, unpack_saved
+from .recorder import ProgramCheck, Recorder, unpack_saved
 from .replay import Replayer, rebuildable
 
 _local = threading.local()
@@ -49,6 +49,9 @@ class BlockState:
         """``Tape.fast_key`` of a tape whose signature matched ``expected_signature``."""
         self._policy_entry: Any = None
         """The BlockPolicy in use (its keep set, signature and pass-through flag are copied above)."""
+        self.program_hash: int | None = None
+        """``Tape.program_hash`` of the program the policy in use was made for (pass-through
+        blocks check it every forward); None until known."""
         self.recording_id = -1
         """Planned mode: id of the current recording (the step model follows recordings)."""
         self.timer = None
@@ -66,13 +69,25 @@ class BlockState:
         self.last_tape = None
         """The Tape of the last recorded forward (plain data, no tensors)."""
 
-    def use_policy(self, entry: Any, predicted_peak: float | None = None) -> None:
+    def _mismatch(self, what: str) -> None:
+        """This forward's program is not the one the policy was made for: planned mode drops the
+        plan (and re-profiles); a fixed policy is an error."""
+        if self.controller is not None and self.controller.policy_mismatch(self, what):
+            return
+        raise PolicyError(
+            f"TapeSAC block {self.index}: the recorded tape ({what}) is not the one the policy was "
+            f"made for (signature {self.expected_signature}). Input shapes or the model changed: "
+            "re-plan, or remove the policy to fall back to replay-only"
+        )
+
+    def use_policy(self, entry: Any, predicted_peak: float | None = None, program_hash: int | None = None) -> None:
         """Keep what ``entry`` (a :class:`~tapesac.policy.BlockPolicy`, or None for replay-only)
         says from the next forward on. Cheap when the entry is the one in use."""
         if entry is self._policy_entry:
             return
         self._policy_entry = entry
         self._verified_key = None
+        self.program_hash = program_hash
         if entry is None:
             self.keep, self.expected_signature, self.passthrough = None, None, False
         else:
@@ -125,12 +140,17 @@ class BlockState:
             )
         if self.controller is not None:
             self.controller.before_forward(self, args, kwargs)
-        # A pass-through block runs as plain autograd: its policy keeps everything backward reads,
-        # so its gradients are exact whatever the program; planned mode checks its input shapes.
-        if self.passthrough and self.timer is None:
+        # A pass-through block runs as plain autograd (its policy keeps everything backward reads,
+        # so its gradients are exact whatever the program), under a cheap check that the program
+        # is still the one the policy was made for; the first forward under a policy without a
+        # known program records instead, to learn it.
+        if self.passthrough and self.timer is None and self.program_hash is not None:
             self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
                               input_bytes=0, recomputed_bytes=0, passthrough=True)
-            out = self.original_forward(*args, **kwargs)
+            with ProgramCheck() as check:
+                out = self.original_forward(*args, **kwargs)
+            if check.program_hash != self.program_hash:
+                self._mismatch("a different program (the ops it ran changed)")
             if self.controller is not None:
                 self.controller.after_forward(self, None)
             return out
@@ -161,15 +181,11 @@ class BlockState:
             sig = self.expected_signature if fast == self._verified_key else rec.tape.signature()
             if sig == self.expected_signature:
                 self._verified_key = fast
-            elif self.controller is not None and self.controller.policy_mismatch(self, sig):
-                _forget_keeps(rec)  # this recording runs replay-only: no memory the plan did not count
+                if self.program_hash is None:
+                    self.program_hash = rec.tape.program_hash()
             else:
-                raise PolicyError(
-                    f"TapeSAC block {self.index}: the recorded tape (signature {sig}, "
-                    f"{len(rec.tape.ops)} ops) is not the one the policy was made for (signature "
-                    f"{self.expected_signature}). Input shapes or the model changed: re-plan, or "
-                    "remove the policy to fall back to replay-only"
-                )
+                self._mismatch(f"signature {sig}, {len(rec.tape.ops)} ops")
+                _forget_keeps(rec)  # this recording runs replay-only: no memory the plan did not count
             self.stats["signature"] = sig
         if self.on_record is not None:
             self.on_record(self, rec, args, kwargs)

@@ -181,6 +181,31 @@ def _copy(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.preserve_format)
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
+class ProgramCheck(TorchDispatchMode):
+    """Runs a block unrecorded (pass-through) and hashes the ATen overloads it dispatches, with
+    the recorder's rule for what reaches a tape (an op that returns no tensor and writes nothing
+    does not): equal to :meth:`Tape.program_hash` of the same program, at a fraction of the cost
+    of recording (one hash per op, nothing held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.program_hash = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _DETACH:  # see Tape.program_hash
+            return out
+        info = op_info(func)
+        if (info.write_args and written_tensors(info, args, kwargs)) or any(
+                isinstance(o, Tensor) for o in flatten_outputs(out)):
+            self.program_hash = hash((self.program_hash, func))
+        return out
+
+
 class Recorder(TorchDispatchMode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 

@@ -26,6 +26,9 @@ SNAPSHOT = 2
 """A copy of a held value, taken just before an in-place op overwrote it."""
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
 class Ref:
     """Placeholder for a tensor argument in a recorded op: the value it was."""
 
@@ -168,6 +171,17 @@ class Tape:
     def op_name(self, index: int) -> str:
         f = self.ops[index].func
         return str(f) if hasattr(f, "_schema") else getattr(f, "__name__", repr(f))
+
+    def program_hash(self) -> int:
+        """An in-process hash of the sequence of ATen overloads the forward dispatched, as
+        :class:`~tapesac.recorder.ProgramCheck` computes it while a block runs unrecorded."""
+        h = 0
+        for op in self.ops:
+            # Not the recorder's own storage aliases, nor detach (autograd detaches the outputs
+            # it saves: a plain-autograd run dispatches detaches a recorded one does not).
+            if hasattr(op.func, "_schema") and op.func is not _DETACH:
+                h = hash((h, op.func))
+        return h
 
     def fast_key(self) -> int:
         """An in-process key that changes whenever :meth:`signature` may.

@@ -206,3 +206,19 @@ def test_more_micro_batches_than_the_plan_was_made_for_never_exceed_the_limit():
     over = [(s, p) for s, p in enumerate(peaks) if s >= 2 and p > limit]
     assert not over, f"steps over the limit {limit:.0f}: {over}"
     assert len(handle.planner.plans) == 2
+
+
+def test_a_pass_through_block_whose_program_changes_is_noticed(caplog):
+    """Blocks that keep everything run as plain autograd, unrecorded; a cheap per-forward check
+    of the ops they dispatch still sees a program that changed under unchanged input shapes."""
+    model_fn = lambda: Model()  # noqa: E731
+    inner = forwards_first(1)
+
+    def switching(model: Model, step: int, seq: int) -> list[torch.Tensor]:
+        model.layers[1].dropout = 0.1 if step >= 4 else 0.0  # same shapes, one more op from step 5
+        return inner(model, step, seq)
+
+    with caplog.at_level(logging.WARNING, logger="tapesac"):
+        handle, _ = planned(model_fn, switching, [48] * 7, 10**12)
+    assert any("tape differs" in r.message for r in caplog.records)
+    assert handle.planner.history[-1]["step"] >= 6  # the new program was profiled, planned, verified
