@@ -9,10 +9,13 @@ blocks applied twice, a retained graph's second backward (see ``tapesac.stepmode
 Phases (:class:`Phase`), the same on every rank:
 
 1. ``warmup``: ``warmup_steps`` steps replay-only (the first optimizer step allocates its state);
-2. then each step runs under the plan made for its *step key* (the blocks recorded and their
-   input shapes), or replay-only when there is none. A step whose key has no plan makes the next
-   step a *profiling* step (every op timed, memory traced); at its end rank 0 plans for that key
-   and broadcasts the plan. A small cache keeps a plan per key (a few sequence lengths).
+2. then each step runs under the plan made for its *step key* (the blocks recorded, in order,
+   and their input shapes), or replay-only when there is none. The plan is chosen at the step's
+   first block forward and followed only while the step's forwards match the profiled step's;
+   a step that departs runs the rest replay-only and releases what it kept. A step whose key has
+   no plan makes the next step a *profiling* step (every op timed, memory traced); at its end
+   rank 0 plans for that key and broadcasts the plan. A small cache keeps a plan per key (a few
+   sequence lengths).
 3. The first step under a new plan is measured (*verify*): over the limit means re-plan tighter
    (at most ``max_replans`` times, then replay-only for that key with a warning).
 
@@ -20,7 +23,8 @@ Rules that keep ranks in agreement: every decision that leads to a collective is
 data every rank has (step counts, broadcast plans) or agreed at the step's end by one small
 all-reduce (the step key's hash and flags); a saved policy is read by rank 0 and broadcast.
 A recording whose tape does not match its plan drops what it would keep (replay-only memory)
-and marks the step; the plan is then dropped on every rank and the key is profiled again.
+and marks the step (pass-through blocks check the ops they ran instead); the plan is then
+dropped on every rank and the key is profiled again, twice at most.
 """
 
 from __future__ import annotations
