@@ -6,13 +6,12 @@ import os
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tapesac import distributed as tdist
 from tapesac.errors import PolicyError
 from tapesac.stepmodel import StepMemory, Window
 
-from .net import free_port
+from .net import run_ranks
 
 
 def _worker(rank: int, world: int, port: int, queue) -> None:
@@ -37,16 +36,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_signature_check_profile_reduction_and_broadcast_across_ranks():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = run_ranks(_worker, timeout_s=120)
     for rank in (0, 1):
         r = results[rank]
         assert "ranks [1] recorded different block tapes than rank 0 (blocks [1])" in r["error"]

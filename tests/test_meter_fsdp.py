@@ -13,12 +13,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tapesac.meter import AllocatorPeak, StorageCounter
 
-from .net import free_port
+from .net import run_ranks
 
 N_BLOCKS, DIM, BATCH = 4, 256, 8
 BLOCK_BYTES = (DIM * DIM + DIM) * 4
@@ -106,22 +105,7 @@ def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue
 
 
 def _run(reshard_after_forward: bool) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, reshard_after_forward, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:  # a rank that failed leaves its peer waiting in a collective
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_ranks(_worker, reshard_after_forward, timeout_s=180)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])

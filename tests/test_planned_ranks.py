@@ -9,15 +9,14 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .net import free_port
+from .net import run_ranks
 
 
-def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
+def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict = {}
     try:
         import tapesac
@@ -62,15 +61,7 @@ def _worker(rank: int, port: int, scenario: str, tmp: str, queue) -> None:
 
 
 def _run(scenario: str, tmp) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, scenario, str(tmp), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_worker, scenario, str(tmp))
     for r in results.values():
         assert "crash" not in r, r["crash"]
     return results

@@ -19,7 +19,7 @@ from torch import nn
 import tapesac
 from tapesac.tape import EXTERNAL, PRODUCED, Ref, Tape, TapeOp
 
-from .net import free_port
+from .net import run_ranks
 
 aten = torch.ops.aten
 
@@ -283,18 +283,7 @@ def _rank_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_a_rank_with_another_shape_gets_the_same_error_on_every_rank():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = run_ranks(_rank_worker, timeout_s=180)
     assert results[0]["signatures"][0] == results[1]["signatures"][0]  # stable across processes
     assert results[0]["signatures"][1] != results[1]["signatures"][1]
     for key in ("plain", "described"):
