@@ -295,7 +295,8 @@ class AutoPlanner:
         self._step = _StepState()
         self._trace: StepTrace | None = None
         self._trace_purpose: str | None = None
-        """"profile" or "verify" while a step is traced."""
+        """"profile" or "verify" while a step is traced; "pending" from a boundary until the
+        step's first block forward decides."""
         self._next_rid = 0
         self._started = False
         self._manual_steps = False
@@ -309,6 +310,8 @@ class AutoPlanner:
         """Step key of the step that ended last (the best guess for the next one)."""
         self._last_same = True
         """Whether every rank ran that key."""
+        self._starts: dict[str, tuple[int, str]] = {}
+        """Step key -> its first recording (block, input signature): how such a step begins."""
         self._last_active: StepPlan | None = None
         """The plan the last step ran under (None: replay-only)."""
         self.last_step_mode = "warm-up"
@@ -373,7 +376,9 @@ class AutoPlanner:
             self._started = True
             self._load_policy()
             if self.config.warmup_steps == 0:  # profile this very step, from its first block on
-                self._start_profile([a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)])
+                self._start_trace("profile", [a for a in (*args, *(kwargs or {}).values())
+                                              if isinstance(a, torch.Tensor)])
+                self._start_profile()
         step = self._step
         step.forwards += 1
         if step.forwards == 10_000 and not self._warned_no_boundary and self.steps == 0:
@@ -385,6 +390,8 @@ class AutoPlanner:
         i = len(step.recordings)
         if i == 0:
             step.active = self._choose(state.index, ik)
+            if self._trace_purpose == "pending":
+                self._resolve_trace(step.active, (state.index, ik))
         active = step.active
         entry = None
         if active is not None and not step.off_plan and self.phase is Phase.PLANNED:
@@ -488,6 +495,8 @@ class AutoPlanner:
         memory = self._finish_trace()
         self.steps += 1
         self._last_key, self._last_same = key, same
+        if step.recordings:
+            self._starts[key] = (step.recordings[0].block, step.recordings[0].input_key)
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
         planned = active is not None and active.key == key and not off_plan
@@ -522,26 +531,40 @@ class AutoPlanner:
             self.phase = Phase.PLANNED
         if self.phase is Phase.WARMUP:
             return
-        # The key of the step just ended is the best guess for the next one.
+        # A trace must start here, before the step allocates anything; whether the step is
+        # profiled, verified or neither is decided at its first block forward (_resolve_trace).
         last_key = self._last_key
-        if (last_key is not None and last_key not in self.plans and last_key not in self._unplannable
-                and self._last_same):
-            if len(self.plans) >= self.config.max_plans:
-                self._give_up(last_key, f"already {len(self.plans)} plans (max_plans)")
-            else:
-                self._start_profile()
-                return
-        if self.config.verify and any(not e.verified for e in self.plans.values()):
-            self._start_trace("verify")
+        unplanned = (last_key is not None and last_key not in self.plans and last_key not in self._unplannable
+                     and self._last_same)
+        if unplanned and len(self.plans) >= self.config.max_plans:
+            self._give_up(last_key, f"already {len(self.plans)} plans (max_plans)")
+            unplanned = False
+        if unplanned or (self.config.verify and any(not e.verified for e in self.plans.values())):
+            self._start_trace("pending")
 
-    def _start_profile(self, inputs: Iterable[torch.Tensor] = ()) -> None:
+    def _resolve_trace(self, active: StepPlan | None, start: tuple[int, str]) -> None:
+        """At a traced step's first block forward: profile it if no plan starts this way, or if it
+        starts like the last step, which had no plan (steps repeat: more micro-batches than a plan
+        has start like it); verify it if it starts under a plan not measured yet; else stop."""
+        last = self._last_key
+        repeats_unplanned = (last is not None and last not in self.plans and last not in self._unplannable
+                             and self._starts.get(last) == start)
+        given_up = {self._starts.get(k) for k in self._unplannable}
+        if (repeats_unplanned or active is None) and start not in given_up and len(self.plans) < self.config.max_plans:
+            self._trace_purpose = "profile"
+            self._start_profile()
+        elif active is not None and self.config.verify and not active.verified:
+            self._trace_purpose = "verify"
+        else:
+            self._stop_trace()
+
+    def _start_profile(self) -> None:
         self._log(logging.INFO, "TapeSAC: profiling step %d: every op timed %d times and memory traced "
                   "(this step runs slower); the plan follows at its end", self.steps + 1, self.config.repeats)
         self.phase = Phase.PROFILE
         timer = OpTimer(self.config.repeats, self.device.type)
         for s in self.handle.blocks:
             s.timer = timer
-        self._start_trace("profile", inputs)
 
     # Profiling and planning ---------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.meter import StorageCounter
 
-from .loops import LOOPS, Loop, Model, forwards_first, train
+from .loops import LOOPS, Loop, Model, forwards_first, interleaved, train
 
 
 def assert_same(expected, actual) -> None:
@@ -222,3 +222,14 @@ def test_a_pass_through_block_whose_program_changes_is_noticed(caplog):
         handle, _ = planned(model_fn, switching, [48] * 7, 10**12)
     assert any("tape differs" in r.message for r in caplog.records)
     assert handle.planner.history[-1]["step"] >= 6  # the new program was profiled, planned, verified
+
+
+def test_shapes_that_alternate_every_step_are_each_profiled_once_and_verified():
+    """The profiled step is chosen at its first block forward, not guessed at the boundary before
+    it: with two sequence lengths in turn, each is profiled once, planned and measured, and then
+    no step is profiled again."""
+    handle, _ = planned(lambda: Model(), interleaved(2), [48, 96] * 6, 10**12)
+    planner = handle.planner
+    assert len(planner.plans) == 2 and all(e.verified for e in planner.plans.values())
+    assert sorted(r["step_key"] for r in planner.history) == sorted(planner.plans)
+    assert planner.last_step_mode == "planned"
