@@ -115,6 +115,37 @@ def rebuildable(tape, vid: int) -> bool:
     return v.kind == PRODUCED and not v.free and tape.ops[v.op].keep_only is None
 
 
+
+class ReplayProgram:
+    """What replaying one recording needs that depends only on its tape and which values it
+    holds: made once per recording, or once for every forward that follows one tape."""
+
+    __slots__ = ("reads", "closure_ops", "rc", "pinned", "kept")
+
+    def __init__(self, tape, held: dict[int, Tensor]) -> None:
+        values = tape.values
+        reads = tape.read_vids()
+        self.reads = reads
+        """Values autograd saved for backward."""
+        self.closure_ops = tape.producer_closure(reads, held)
+        rc: Counter[int] = Counter()
+        for vid in reads:
+            rc[vid] += values[vid].reads
+        for i in self.closure_ops:
+            for d in tape.ops[i].deps:
+                rc[d] += 1
+        self.rc = dict(rc)
+        """vid -> uses still to come in one backward pass (invariant 9)."""
+        fixed = {vid for vid in held if not rebuildable(tape, vid)}
+        # Invariant 9: a kept value may be dropped and asked for again, so pin what rebuilding
+        # everything backward reads without any kept value needs.
+        needed = set(reads)
+        for i in tape.producer_closure(reads, fixed):
+            needed.update(tape.ops[i].deps)
+        self.pinned = tuple(vid for vid in held if vid in fixed and vid in needed)
+        self.kept = tuple(vid for vid in held if vid not in fixed and vid in rc)
+
+
 class Replayer:
     """Replay state of one recorded forward; lives exactly as long as its saved handles."""
 
@@ -125,36 +156,32 @@ class Replayer:
         self.owned_vids = recording.owned_vids
         self.stats = None
         """The block's stats dict, updated in place while replaying (set by the wrapper)."""
-        values = tape.values
         held = recording.held
-        reads = tape.read_vids()
-        self.closure_ops = tape.producer_closure(reads, held)
+        plan = recording.plan
+        program = plan.program if plan is not None else None
+        if program is None:
+            program = ReplayProgram(tape, held)
+            if plan is not None:
+                plan.program = program  # forwards that follow one plan hold the same values
+        self.program = program
+        self.closure_ops = program.closure_ops
         """Ops replay runs when every kept value is available (the plan's recompute)."""
-        rc: Counter[int] = Counter()
-        for vid in reads:
-            rc[vid] += values[vid].reads
-        for i in self.closure_ops:
-            for d in tape.ops[i].deps:
-                rc[d] += 1
-        fixed = {vid for vid in held if not rebuildable(tape, vid)}
-        # Invariant 9: a kept value may be dropped and asked for again, so pin what rebuilding
-        # everything backward reads without any kept value needs.
-        needed = set(reads)
-        for i in tape.producer_closure(reads, fixed):
-            needed.update(tape.ops[i].deps)
-        self.pinned: dict[int, Tensor] = {vid: held[vid] for vid in fixed if vid in needed}
+        self.pinned: dict[int, Tensor] = {vid: held[vid] for vid in program.pinned}
         """Held values replay cannot rebuild (externals, snapshots, keep-only outputs, free views)."""
-        self.kept: dict[int, Tensor] = {vid: t for vid, t in held.items() if vid not in fixed and vid in rc}
+        self.kept: dict[int, Tensor] = {vid: held[vid] for vid in program.kept}
         """Held values replay could rebuild; kept by the policy and dropped at their last use, as
         the cache drops rebuilt ones."""
         self._versions = {vid: w for vid, w in recording.versions.items()
                           if vid in self.pinned or vid in self.kept}
         """vid -> (version carrier, version) of held values that alias outside tensors (inv. 11)."""
+        self._rng = recording.rng
+        self._args = recording.args
+        """Where this forward's generator states and constants differ from the tape's."""
         self.debug_refs = recording.debug_refs
         self.device = next(iter(held.values())).device if held else torch.device("cpu")
         """Where the block ran (for messages)."""
-        self._rc0 = dict(rc)
-        self.rc = dict(rc)
+        self._rc0 = program.rc
+        self.rc = dict(program.rc)
         self.cache: dict[int, Tensor] = dict(self.pinned)
         self.cache.update(self.kept)
         self._task: int | None = None
@@ -300,15 +327,16 @@ class Replayer:
             pending.update(ops[i].deps)
         with _replay_mode():
             for i in order:
-                self._run(ops[i], local, pending, vid)
+                self._run(i, ops[i], local, pending, vid)
         return local[vid]
 
-    def _run(self, op: TapeOp, local: dict[int, Tensor], pending: Counter, target: int) -> None:
+    def _run(self, i: int, op: TapeOp, local: dict[int, Tensor], pending: Counter, target: int) -> None:
         """Run one op of an unpack's chain; ``local`` holds this chain's values still to be read."""
         cache = self.cache
         lookup = local.__getitem__
-        args = [_resolve(a, lookup) for a in op.args]
-        kwargs = {k: _resolve(a, lookup) for k, a in op.kwargs.items()} if op.kwargs else {}
+        op_args, op_kwargs = self._args[i] if i in self._args else (op.args, op.kwargs)
+        args = [_resolve(a, lookup) for a in op_args]
+        kwargs = {k: _resolve(a, lookup) for k, a in op_kwargs.items()} if op_kwargs else {}
         for d in op.deps:
             pending[d] -= 1
         stats = self.stats
@@ -331,8 +359,9 @@ class Replayer:
                 self._drop(before)
             write_out[after] = t
 
-        if op.rng is not None:
-            gen, state = op.rng
+        rng = self._rng.get(i, op.rng) if op.rng is not None else None
+        if rng is not None:
+            gen, state = rng
             current = gen.get_state()
             gen.set_state(state)
             try:

@@ -208,8 +208,8 @@ def test_debug_mode_catches_a_nondeterministic_replay(monkeypatch):
 
     real = replay.Replayer._run
 
-    def corrupt(self, op, local, pending, target):
-        real(self, op, local, pending, target)
+    def corrupt(self, i, op, local, pending, target):
+        real(self, i, op, local, pending, target)
         for vid in op.outs:
             if vid is not None and vid in local:
                 local[vid] = local[vid] + 1e-3
