@@ -205,3 +205,4 @@ def test_moe_routing_that_changes_every_step_stays_exact():
         for opt in opts:
             opt.step()
     assert followed > 0
+
