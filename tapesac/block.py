@@ -198,11 +198,12 @@ class BlockState:
     def _finish(self, rec: Recorder, args: tuple, kwargs: dict, key: tuple) -> Replayer:
         recording = rec.finalize()  # the recorder is done: replay owns the recording
         tape = recording.tape
+        program = None
         if not rec.followed:  # a followed forward ran the verified tape's program: nothing to check
-            self._check_program(recording, key)
+            program = self._check_program(recording, key)
         if self.on_record is not None:
             self.on_record(self, rec, args, kwargs)
-        replayer = Replayer(recording)
+        replayer = Replayer(recording, program)
         replayer.stats = self.stats
         s = self.stats
         s["passthrough"] = False
@@ -216,29 +217,35 @@ class BlockState:
         self.last_tape = tape
         return replayer
 
-    def _check_program(self, recording: Any, key: tuple) -> None:
+    def _check_program(self, recording: Any, key: tuple) -> ReplayProgram:
         """A recorded forward: check its program against the policy's, and let the next forwards
-        follow it once it is known good (seen twice in a row, or matching the policy)."""
+        follow it once it is known good (seen twice in a row, or matching the policy). Returns
+        its replay program."""
         tape = recording.tape
-        fast = tape.fast_key()
         if self.expected_signature is not None:
+            fast = tape.fast_key()
             sig = self.expected_signature if fast == self._verified_key else tape.signature()
             self.stats["signature"] = sig
             if sig != self.expected_signature:
                 self._mismatch(f"signature {sig}, {len(tape.ops)} ops")
                 _forget_keeps(recording)  # it runs replay-only: no memory the plan did not count
-                return
+                return ReplayProgram(tape, recording.held)
             self._verified_key = fast
             if self.program_hash is None:
                 self.program_hash = tape.program_hash()
-            known = True
-        else:
-            known = self._last_key.get(key) == fast
-            self._last_key[key] = fast
-        if known and not self.debug and FollowPlan.eligible(tape, ReplayProgram(tape, recording.held)):
-            if len(self._follow) >= _MAX_FOLLOW_PLANS:
-                self._follow.clear()
-            self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids)
+        program = ReplayProgram(tape, recording.held)
+        if self.debug or not FollowPlan.eligible(tape, program):
+            return program
+        if self.expected_signature is None:  # replay-only: known good once seen twice in a row
+            fast = tape.fast_key()
+            known, self._last_key[key] = self._last_key.get(key) == fast, fast
+            if not known:
+                return program
+        if len(self._follow) >= _MAX_FOLLOW_PLANS:
+            self._follow.clear()
+        plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids)
+        plan.program = program
+        return program
 
 
 PASSTHROUGH_CHECK_EVERY = 16

@@ -163,7 +163,8 @@ class ReplayProgram:
 class Replayer:
     """Replay state of one recorded forward; lives exactly as long as its saved handles."""
 
-    def __init__(self, recording: "Recording") -> None:
+    def __init__(self, recording: "Recording", program: "ReplayProgram | None" = None) -> None:
+        """``program``: the recording's :class:`ReplayProgram` if the caller has made it."""
         tape = recording.tape
         self.tape = tape
         self.block = recording.block
@@ -172,7 +173,8 @@ class Replayer:
         """The block's stats dict, updated in place while replaying (set by the wrapper)."""
         held = recording.held
         plan = recording.plan
-        program = plan.program if plan is not None else None
+        if program is None and plan is not None:
+            program = plan.program
         if program is None:
             program = ReplayProgram(tape, held)
             if plan is not None:
