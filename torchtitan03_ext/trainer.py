@@ -30,7 +30,13 @@ ActivationCheckpointingConfig = TorchtitanAC | Annotated[TapeSAC.Config, tyro.co
 
 
 def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
-    """Refuse what TapeSAC cannot run with (ConfigError naming the setting and the fix)."""
+    """Refuse what TapeSAC cannot run with (ConfigError naming the setting and the fix).
+
+    ``spmd_backend``: torchtitan 0.3's default, ``spmd_types``, needs FSDP2 that reads
+    ``spmd_types`` annotations (torch >= 2.14; torch 2.13's ``fully_shard`` refuses its plain
+    parameters) and is untested with TapeSAC; under ``full_dtensor`` the blocks' activations are
+    DTensors and a planned step fails in replay (``aten.set_`` has no DTensor sharding strategy).
+    """
     if config.compile.enable and "model" in config.compile.components:
         raise ConfigError(
             "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
@@ -42,8 +48,8 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
     if config.parallelism.spmd_backend != "partial_dtensor":
         raise ConfigError(
             f"parallelism.spmd_backend is '{config.parallelism.spmd_backend}', but TapeSAC runs with "
-            "'partial_dtensor' (DTensor for model-parallel axes only; the others need FSDP2 from a "
-            "PyTorch nightly): set --parallelism.spmd_backend partial_dtensor")
+            "'partial_dtensor' only (DTensor for model-parallel axes, as in torchtitan 0.2): set "
+            "--parallelism.spmd_backend partial_dtensor")
     if config.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
                           "--parallelism.pipeline_parallel_degree 1")
