@@ -90,11 +90,10 @@ def _current_run() -> TapeSACRun | None:
     return policy.run if policy is not None else None
 
 
-def with_tapesac(config: tt_trainer.Trainer.Config, **settings) -> Trainer.Config:
+def with_tapesac(config: tt_trainer.Trainer.Config) -> Trainer.Config:
     """``config`` (any torchtitan ``Trainer.Config``, e.g. ``llama3_8b()``) as this trainer's
-    config, so that ``activation-checkpoint:tapesac`` can be chosen on the command line; with
-    ``settings`` (``budget=0.9``, ...) TapeSAC is chosen here already."""
+    config, so that ``activation-checkpoint:tapesac`` can be chosen on the command line. Its
+    fields are shared, not copied; choose TapeSAC by setting ``activation_checkpoint`` to a
+    ``TapeSAC.Config`` (checked with the rest when the command line is parsed)."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    if settings:
-        values["activation_checkpoint"] = TapeSAC.Config(**settings)
     return Trainer.Config(**values)
