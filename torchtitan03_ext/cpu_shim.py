@@ -6,7 +6,8 @@ FSDP2 reductions, an ATen CPU gap, a clean exit after gloo's teardown) is
 varlen flash attention, CUDA only), and FlexAttention has no backward on CPU in torch 2.13
 ("FlexAttention does not support backward on CPU"): on CPU, :func:`_flex_attention_on_cpu`
 computes the same masked attention with ``scaled_dot_product_attention`` and the dense boolean
-mask of the block mask's ``mask_mod``. Applied by ``import torchtitan03_ext`` when no CUDA device
+mask of the block mask's ``mask_mod``, and block masks for CPU tensors are made eagerly
+(:func:`_block_masks_eagerly_on_cpu`). Applied by ``import torchtitan03_ext`` when no CUDA device
 exists.
 """
 
@@ -23,6 +24,27 @@ def install() -> None:
         return
     install_common()
     _flex_attention_on_cpu()
+    _block_masks_eagerly_on_cpu()
+
+
+def _block_masks_eagerly_on_cpu() -> None:
+    """torchtitan makes FlexAttention's block masks with ``torch.compile(create_block_mask)``;
+    on CPU that compiles C++ with inductor (a compiler on the machine, about a minute cold) for
+    a mask that :func:`_flex_attention_on_cpu` only reads ``mask_mod`` from. CPU masks are made
+    by the same ``create_block_mask``, eagerly; others still by the compiled one."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    compiled = attention._compiled_create_block_mask
+    if getattr(compiled, "__tapesac__", False):
+        return
+
+    def create_block_mask_eagerly_on_cpu(*args, device=None, **kwargs):
+        make = create_block_mask if device is not None and torch.device(device).type == "cpu" else compiled
+        return make(*args, device=device, **kwargs)
+
+    create_block_mask_eagerly_on_cpu.__tapesac__ = True  # type: ignore[attr-defined]
+    attention._compiled_create_block_mask = create_block_mask_eagerly_on_cpu
 
 
 def _flex_attention_on_cpu() -> None:
