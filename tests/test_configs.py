@@ -74,3 +74,17 @@ def test_eager_plan_config_uses_the_same_checks():
         PlanConfig(memory_limit_bytes=10, safety_margin=2.0)
     with pytest.raises(tapesac.ConfigError, match="memory_limit_bytes must be a positive number"):
         PlanConfig(memory_limit_bytes=0)
+
+
+def test_the_torchtitan_0_3_front_door_refuses_this_torchtitan_in_one_line():
+    import subprocess
+    import sys
+
+    import torchtitan
+
+    out = subprocess.run([sys.executable, "-c", "import torchtitan03_ext"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"[tapesac] error: TapeSAC: torchtitan {torchtitan.__version__} is installed, "
+                                  "but torchtitan03_ext supports torchtitan 0.3.x: use torchtitan_ext instead "
+                                  "(see the README)")

@@ -1,39 +1,25 @@
-"""The ``tapesac`` model converter: TapeSAC on every transformer block, under FSDP2.
+"""The ``tapesac`` model converter of torchtitan 0.2.x: TapeSAC on every transformer block, under
+FSDP2.
 
 torchtitan runs converters on the meta model, before parallelisation. The converter checks the
-job there (clear errors before any work) and wraps each block of ``model.layers``: wrapping
-replaces the block's ``forward`` by an instance attribute and touches no parameter, so it
-survives ``fully_shard`` (which swaps the class and the parameters, not the instance dict). At
-run time the wrapped forward therefore runs nested inside FSDP2's pre/post-forward hooks, with
-the parameters unsharded, and replay happens inside each block's own backward after FSDP2 has
-gathered the parameters again; no module hook runs twice.
+job there (clear errors before any work) and wraps each block of ``model.layers`` (how that
+survives FSDP2, and what runs where: ``torchtitan_common.run``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import weakref
-from pathlib import Path
+import sys
 from typing import Any
 
-import torch
 from torch import nn
 
 import tapesac
-from tapesac.autoplan import PlanConfig
 from tapesac.errors import ConfigError
-from tapesac.report import fmt_bytes
+from torchtitan_common.errors import exit_with
+from torchtitan_common.run import Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
 
-from . import cpu_shim
-from .errors import exit_with
-
-try:
-    from torchtitan.tools.logging import logger
-except ImportError:  # pragma: no cover
-    import logging
-
-    logger = logging.getLogger("tapesac")
+__all__ = ["TapeSACConverter", "active", "memory_limit_bytes", "register", "validate"]
 
 
 def validate(job_config: Any, parallel_dims: Any = None) -> Any:
@@ -63,61 +49,12 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
     return cfg
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def memory_limit_bytes(cfg: Any, device: torch.device) -> tuple[int, int]:
-    """(limit, capacity): ``limit_gib`` if set, else ``budget`` times the device capacity."""
-    if device.type == "cuda":
-        capacity = torch.cuda.mem_get_info(device)[1]
-    elif cfg.cpu_capacity_gib > 0:
-        capacity = int(cfg.cpu_capacity_gib * 2**30)
-    else:
-        capacity = cpu_shim.cpu_capacity_bytes()
-    limit = int(cfg.limit_gib * 2**30) if cfg.limit_gib > 0 else int(cfg.budget * capacity)
-    return limit, capacity
-
-
-def _limit_source(cfg: Any, device: torch.device, capacity: int) -> str:
-    """Where the limit came from, in words."""
-    if cfg.limit_gib > 0:
-        return f"tapesac.limit_gib = {cfg.limit_gib}"
-    if device.type == "cuda":
-        return f"tapesac.budget {cfg.budget} of the GPU's {fmt_bytes(capacity)}"
-    if cfg.cpu_capacity_gib > 0:
-        what = f"tapesac.cpu_capacity_gib = {cfg.cpu_capacity_gib}"
-    else:
-        what = "this node's memory divided by its ranks"
-    return (f"tapesac.budget {cfg.budget} of {fmt_bytes(capacity)}: on CPU there is no device memory, "
-            f"so the 'device' is {what}, and the peak counted is the bytes of live tensor storages")
-
-
-def _info(message: str) -> None:
-    """Rank 0 speaks for all ranks (they make the same decisions)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        logger.info(message)
-
-
-def _artifact(path: str, dump_folder: str, default: str) -> str | None:
-    if path.lower() == "none":
-        return None
-    return path or str(Path(dump_folder) / "tapesac" / default)
-
-
-_CONVERTERS: list[weakref.ref] = []
-"""Converters built in this process, newest last, held weakly (a finished trainer is freed)."""
+_CONVERTERS = Registry()
 
 
 def active() -> "TapeSACConverter | None":
     """The newest converter still alive in this process (tools and tests inspect its handle)."""
-    for ref in reversed(_CONVERTERS):
-        converter = ref()
-        if converter is not None:
-            return converter
-    return None
+    return _CONVERTERS.newest()
 
 
 class TapeSACConverter:
@@ -130,10 +67,17 @@ class TapeSACConverter:
             self.cfg = validate(job_config, parallel_dims)
         except ConfigError as e:
             exit_with(e)
-        self.handle: tapesac.TapeSACHandle | None = None
-        self.limit_bytes: int | None = None
-        _CONVERTERS.append(weakref.ref(self))
+        self.run = TapeSACRun(self.cfg)
+        _CONVERTERS.add(self)
         _report_metrics()
+
+    @property
+    def handle(self) -> tapesac.TapeSACHandle | None:
+        return self.run.handle
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self.run.limit_bytes
 
     # ModelConverter protocol ----------------------------------------------------------------
 
@@ -142,79 +86,29 @@ class TapeSACConverter:
         if not hasattr(model, "layers"):
             raise ConfigError(f"TapeSAC wraps model.layers, and {type(model).__name__} has none")
         blocks = [b for b in model.layers.values() if b is not None]
-        device = _device()
-        cfg = self.cfg
-        if cfg.mode == "replay_only":
-            self.handle = tapesac.wrap(blocks, debug=cfg.debug)
-            _info(f"TapeSAC: replay-only on {len(blocks)} blocks: nothing a block makes is kept, "
-                  "backward recomputes only what it reads")
-            return
-        limit, capacity = memory_limit_bytes(cfg, device)
-        self.limit_bytes = limit
-        dump = self.job_config.job.dump_folder
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        plan = PlanConfig(
-            memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
-            warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
-            repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
-            solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
-            policy_path=_artifact(cfg.policy_file, dump, "policy.json"),
-            frontier_path=_artifact(cfg.frontier_file, dump, "frontier.json"),
-            device=device, track=lambda: [model], fatal=exit_with,
-            policy_meta={"world_size": world, "model": f"{self.job_config.model.name}/"
-                         f"{self.job_config.model.flavor}"},
-        )
-        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
-        _info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
-              f"({_limit_source(cfg, device, capacity)}); {cfg.warmup_steps} warm-up step(s) replay-only, "
-              "then one profiled step, then the plan")
+        job = self.job_config
+        self.run.wrap(blocks, model=model, dump_folder=job.job.dump_folder,
+                      model_name=f"{job.model.name}/{job.model.flavor}")
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:
-        """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B), this rank's."""
-        out: dict[str, float] = {}
-        if self.limit_bytes:
-            out["tapesac/limit_gib"] = self.limit_bytes / 2**30
-        if self.handle is None:
-            return out
-        stats = self.handle.stats().values()
-        out["tapesac/kept_gib"] = sum(s["kept_bytes"] for s in stats) / 2**30
-        out["tapesac/replayed_ops"] = float(sum(s["ops_replayed"] for s in stats))
-        planner = self.handle.planner
-        policy = planner.current_policy() if planner is not None else None
-        if policy is not None and policy.predicted_peak_bytes is not None:
-            out["tapesac/predicted_peak_gib"] = policy.predicted_peak_bytes / 2**30
-            out["tapesac/recompute_ms"] = (policy.predicted_recompute_s or 0.0) * 1e3
-        if planner is not None and planner.history:
-            out["tapesac/measured_peak_gib"] = planner.history[-1]["measured_peak_bytes"] / 2**30
-        return out
+        return self.run.metrics()
 
     def summary(self) -> str:
-        """One line for the console, under torchtitan's step line."""
-        m = self.metrics()
-        parts = [f"limit {m['tapesac/limit_gib'] * 1024:.1f} MiB"] if "tapesac/limit_gib" in m else []
-        if "tapesac/predicted_peak_gib" in m:
-            parts.append(f"predicted peak {m['tapesac/predicted_peak_gib'] * 1024:.1f} MiB")
-        if "tapesac/measured_peak_gib" in m:
-            step = self.handle.planner.history[-1]["step"]
-            parts.append(f"measured {m['tapesac/measured_peak_gib'] * 1024:.1f} MiB (step {step})")
-        parts.append(f"kept {m.get('tapesac/kept_gib', 0) * 1024:.1f} MiB")
-        if "tapesac/recompute_ms" in m:
-            parts.append(f"recompute {m['tapesac/recompute_ms']:.1f} ms (predicted)")
-        parts.append(f"replayed {int(m.get('tapesac/replayed_ops', 0))} ops")
-        planner = self.handle.planner if self.handle is not None else None
-        mode = planner.last_step_mode if planner is not None else "replay-only"
-        return f"TapeSAC [{mode}]: " + ", ".join(parts)
+        return self.run.summary()
+
+
+def _current_run() -> TapeSACRun | None:
+    converter = active()
+    return converter.run if converter is not None else None
 
 
 def _report_metrics() -> None:
     """Add TapeSAC's numbers to torchtitan's metrics (TensorBoard, W&B) and a line under each
     step's log line (rank 0). torchtitan's trainer may run as ``torchtitan.train`` or, with
     ``python -m torchtitan.train``, as ``__main__``: both copies are wrapped, once each."""
-    import sys
-
     for module in {sys.modules.get("torchtitan.train"), sys.modules.get("__main__")}:
         build = getattr(module, "build_metrics_processor", None)
         if build is None or getattr(build, "__tapesac__", False) or not hasattr(module, "Trainer"):
@@ -223,19 +117,7 @@ def _report_metrics() -> None:
         @functools.wraps(build)
         def build_with_tapesac_metrics(*args: Any, _build=build, **kwargs: Any):
             processor = _build(*args, **kwargs)
-            log = processor.log
-
-            def log_with_tapesac(step, *a, extra_metrics=None, **k):
-                converter = active()
-                extra = dict(extra_metrics or {})
-                if converter is not None:
-                    extra.update(converter.metrics())
-                out = log(step, *a, extra_metrics=extra, **k)
-                if converter is not None and int(os.environ.get("RANK", "0")) == 0:
-                    logger.info(converter.summary())
-                return out
-
-            processor.log = log_with_tapesac
+            report_with_step_log(processor, _current_run)
             return processor
 
         build_with_tapesac_metrics.__tapesac__ = True  # type: ignore[attr-defined]
