@@ -9,7 +9,13 @@ During a wrapped block's forward two things are active:
 
 When the forward returns, :meth:`Recorder.finalize` hands a plain :class:`Recording` (the tape and
 the few tensors backward needs) to a :class:`~tapesac.replay.Replayer`, which owns it from then
-on. Data flows one way: the handles reach the replayer through a :class:`ReplayLink`, never back
+on.
+
+*Follow mode*: given a :class:`FollowPlan` (a verified earlier forward of the same program), the
+recorder builds no tape. It checks each op against the plan's next one and keeps the invariants
+below with the plan's values (identities in ``_fids``, with this forward's versions, generator
+states and differing constants kept beside the shared tape); at the first op that departs it
+turns what it followed into a tape of its own (``_leave_follow``) and records from there. Data flows one way: the handles reach the replayer through a :class:`ReplayLink`, never back
 into the recorder, which is dropped.
 
 Invariants the recorder keeps (each is relied on by replay):
