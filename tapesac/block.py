@@ -51,14 +51,16 @@ class BlockState:
         """The BlockPolicy in use (its keep set, signature and pass-through flag are copied above)."""
         self.program_hash: int | None = None
         """``Tape.program_hash`` of the program the policy in use was made for (pass-through
-        blocks check it every forward); None until known."""
+        blocks check it now and then); None until known."""
         self._follow: dict[tuple, FollowPlan] = {}
-        """Input shapes -> the verified forward later forwards follow instead of recording
-        (:class:`~tapesac.recorder.FollowPlan`), for the keep set in use."""
+        """(input shapes, keep set, expected signature) -> the verified forward later forwards
+        follow instead of recording (:class:`~tapesac.recorder.FollowPlan`). Kept across policy
+        changes: planned mode switches a block between its plan and replay-only as steps come."""
         self._last_key: dict[tuple, int] = {}
-        """Input shapes -> ``Tape.fast_key`` of the last recorded forward: a program recorded
+        """The same keys -> ``Tape.fast_key`` of the last recorded forward: a program recorded
         twice in a row (or matching the policy's signature) is followed from then on."""
         self._passthrough_forwards = 0
+        """Pass-through forwards so far (every PASSTHROUGH_CHECK_EVERY-th checks its program)."""
         self.recording_id = -1
         """Planned mode: id of the current recording (the step model follows recordings)."""
         self.timer = None
@@ -94,7 +96,6 @@ class BlockState:
             return
         self._policy_entry = entry
         self._verified_key = None
-        self._follow, self._last_key = {}, {}
         self.program_hash = program_hash
         if entry is None:
             self.keep, self.expected_signature, self.passthrough = None, None, False
@@ -174,7 +175,7 @@ class BlockState:
             ids.update(id(t) for t in module.buffers())
             return ids
 
-        key = _shape_key(args, kwargs)
+        key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
                        follow=self._follow.get(key))
         _local.active = self
@@ -243,6 +244,7 @@ class BlockState:
                 return program
         if len(self._follow) >= _MAX_FOLLOW_PLANS:
             self._follow.clear()
+            self._last_key.clear()
         plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids)
         plan.program = program
         return program
@@ -252,7 +254,7 @@ PASSTHROUGH_CHECK_EVERY = 16
 """A pass-through block checks its program in measured steps and in every this many forwards."""
 
 _MAX_FOLLOW_PLANS = 8
-"""Input shapes a block keeps a follow plan for at once (more: start again)."""
+"""Follow plans (input shapes x policies) a block keeps at once (more: start again)."""
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:

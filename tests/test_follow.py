@@ -206,3 +206,17 @@ def test_moe_routing_that_changes_every_step_stays_exact():
             opt.step()
     assert followed > 0
 
+
+
+def test_planned_steps_follow_their_verified_plan():
+    """Planned mode: once a plan is verified, its recorded blocks follow (the exactness of the
+    whole run is asserted by ``planned`` against unwrapped training)."""
+    from .loops import LOOPS
+    from .test_planned_loops import planned, span
+
+    loop, model_fn = LOOPS["accumulate_interleaved"]
+    lo, hi = span(model_fn, loop, 48)
+    handle, _ = planned(model_fn, loop, [48] * 7, lo + 0.5 * (hi - lo))
+    assert handle.plan is not None and any(b.keep for b in handle.plan.policy.blocks.values())
+    recorded = [s for s in handle.stats().values() if not s["passthrough"]]
+    assert recorded and all(s["followed"] for s in recorded), handle.stats()
