@@ -59,6 +59,8 @@ class BlockState:
         self._last_key: dict[tuple, int] = {}
         """The same keys -> ``Tape.fast_key`` of the last recorded forward: a program recorded
         twice in a row (or matching the policy's signature) is followed from then on."""
+        self.follow = True
+        """Let forwards follow a verified tape (False: record every forward, e.g. to measure)."""
         self._passthrough_forwards = 0
         """Pass-through forwards so far (every PASSTHROUGH_CHECK_EVERY-th checks its program)."""
         self.recording_id = -1
@@ -235,7 +237,7 @@ class BlockState:
             if self.program_hash is None:
                 self.program_hash = tape.program_hash()
         program = ReplayProgram(tape, recording.held)
-        if self.debug or not FollowPlan.eligible(tape, program):
+        if self.debug or not self.follow or not FollowPlan.eligible(tape, program):
             return program
         if self.expected_signature is None:  # replay-only: known good once seen twice in a row
             fast = tape.fast_key()

@@ -72,12 +72,7 @@ def build() -> tuple[Stack, torch.Tensor]:
 def _no_follow(handle) -> None:
     """Record every forward: no block keeps a tape to follow."""
     for state in handle.blocks:
-        state._follow = _Never()
-
-
-class _Never(dict):
-    def __setitem__(self, key, value) -> None:  # a plan offered is dropped
-        pass
+        state.follow = False
 
 
 def main() -> None:
