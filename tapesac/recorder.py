@@ -190,11 +190,15 @@ class Recording:
 
 
 
+_NOTHING_WRITTEN: dict[int, int] = {}
+"""What :meth:`Recorder._match_args` returns for an op that writes nothing (never filled)."""
+
+
 class _FollowStep:
     """One tape op as a followed forward checks and maps it."""
 
     __slots__ = ("func", "info", "args", "kwargs", "outs", "n_returned", "holds", "rng", "view_of",
-                 "after", "written", "next_vid", "may_differ", "tensors", "lists", "kw_tensors",
+                 "after", "written", "next_vid", "may_differ", "single", "tensors", "lists", "kw_tensors",
                  "const_pos", "consts", "const_types", "kw_const_names", "kw_consts", "kw_const_types")
 
     def __init__(self, op: TapeOp, held: set[int]) -> None:
@@ -212,6 +216,8 @@ class _FollowStep:
         self.written = frozenset(self.after.values())
         self.may_differ = op.n_returned == 1 and op.outs[0] is not None and not op.writes and not self.rng
         """Constants may differ from the tape's: one tensor out, nothing written, no generator."""
+        self.single = len(op.outs) == 1 and op.n_returned == 1 and op.outs[0] is not None and not op.writes
+        """One tensor returned, nothing written: mapped without the general output loop."""
         tensors, lists, const_pos = [], [], []
         for pos, a in enumerate(op.args):
             if type(a) is Ref:
@@ -618,6 +624,18 @@ class Recorder(TorchDispatchMode):
             gen = generator_for(func, args, kwargs, _device_of(args, kwargs))
             self._rng[i] = (gen, gen.get_state())
         out = func(*args, **kwargs)
+        if step.single and isinstance(out, Tensor):  # the common op: one tensor out, no writes
+            vid = step.outs[0]
+            view_of = step.view_of
+            # A view's own counter still reads 0 here; autograd then shares its base's.
+            version = out._version if view_of is None else _version_of(args, view_of, out)
+            self._fids[id(out)] = (weakref.ref(out), vid, version)
+            if step.holds:
+                self._follow_hold(vid, out)
+                self._held_versions[vid] = version
+            self._n = step.next_vid
+            self._i = i + 1
+            return out
         flat = flatten_outputs(out)
         outs = step.outs
         n = step.n_returned
@@ -666,7 +684,7 @@ class Recorder(TorchDispatchMode):
             for x, y in zip(a, expected):
                 if type(y) is not Ref and (type(x) is not type(y) or x != y):
                     return None
-        seen: dict[int, int] = {}
+        seen: dict[int, int] | None = {} if step.after else None
         match = self._match_tensor
         for pos, sub, vid in step.tensors:  # in the order the recorder met them
             if not match(args[pos] if sub < 0 else args[pos][sub], vid, seen):
@@ -685,17 +703,20 @@ class Recorder(TorchDispatchMode):
                 return None
             # Integers and floats are data (sizes, scales): replay must use this forward's.
             self._args[self._i] = self._encode_follow(step, args, kwargs)
-        return seen
+        return _NOTHING_WRITTEN if seen is None else seen
 
-    def _match_tensor(self, a: Any, vid: int, seen: dict[int, int]) -> bool:
-        if not isinstance(a, Tensor):
-            return False
+    def _match_tensor(self, a: Any, vid: int, seen: dict[int, int] | None) -> bool:
+        """``a`` is value ``vid`` (binding it if it is where the tape met a new external);
+        ``seen`` (ops that write) collects id -> vid."""
         ent = self._fids.get(id(a))
         if ent is not None and ent[0]() is a:
             if ent[1] != vid or a._version != ent[2]:
                 return False
-            seen[id(a)] = vid
+            if seen is not None:
+                seen[id(a)] = vid
             return True
+        if not isinstance(a, Tensor):
+            return False
         # A tensor this forward has not seen: it must be where the tape met a new external (or
         # the snapshot the recorder later made of one, which it was until then).
         v = self._plan.tape.values[vid]
@@ -707,7 +728,8 @@ class Recorder(TorchDispatchMode):
         self._held_versions[vid] = a._version
         if vid in self._plan.owned_vids:  # the same program: the same parameters
             self.owned_vids.add(vid)
-        seen[id(a)] = vid
+        if seen is not None:
+            seen[id(a)] = vid
         return True
 
     def _follow_hold(self, vid: int, t: Tensor) -> None:
