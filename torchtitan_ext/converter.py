@@ -57,6 +57,14 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
             "set compile.enable = false, or compile only the loss (compile.components = [\"loss\"])"
         )
+    if parallel_dims is not None and getattr(parallel_dims, "cp_enabled", False):
+        # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
+        # ring collectives the recorder cannot replay per shard.
+        raise ConfigError(
+            f"TapeSAC does not support context parallelism (parallelism.context_parallel_degree = "
+            f"{job_config.parallelism.context_parallel_degree}): set parallelism.context_parallel_degree = 1 "
+            "(CLI: --parallelism.context_parallel_degree 1), or remove \"tapesac\" from model.converters"
+        )
     if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
         raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
                           "parallelism.pipeline_parallel_degree = 1")
