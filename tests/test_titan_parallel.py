@@ -50,3 +50,59 @@ def test_expert_parallel_planned_at_a_tight_limit_matches_and_stays_under_it(tmp
     assert _losses(records) == ep2_baseline
     assert records[0]["policy"] == records[1]["policy"]
     _assert_planned_within_limit(records, limit_gib)
+
+
+LLAMA = "train_configs/llama3_debug_cpu.toml"
+LLAMA_BASELINE = "train_configs/llama3_debug_cpu_baseline.toml"
+# Two stages on two ranks, four micro-batches of one sequence per step: GPipe runs all four
+# forwards before the backwards, 1F1B interleaves them (stage 0 holds up to two in flight).
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4")
+
+
+@pytest.fixture(scope="module")
+def pp2_baselines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp2")
+    losses = {}
+    for schedule in ("GPipe", "1F1B"):
+        out, records = run_titan(tmp, schedule, LLAMA_BASELINE, *PP2,
+                                 "--parallelism.pipeline_parallel_schedule", schedule, steps=STEPS)
+        _ok(out)
+        losses[schedule] = _losses(records)
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pipeline_parallel_replay_only_matches_pp_without_tapesac(tmp_path, pp2_baselines, schedule):
+    out, records = run_titan(tmp_path, "ro", LLAMA, *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
+                             "--tapesac.mode", "replay_only", steps=STEPS)
+    _ok(out)
+    # Rank 0 holds the first stage (its loss reads -1), rank 1 the last: every step's loss after
+    # the first depends on both stages' gradients.
+    assert _losses(records) == pp2_baselines[schedule]
+    assert all(s["ops_replayed"] > 0 for r in records for s in r["stats"].values())
+
+
+@pytest.mark.parametrize("schedule, limit_gib", [("GPipe", 0.08), ("1F1B", 0.065)])
+def test_pipeline_parallel_planned_per_stage_at_a_tight_limit(tmp_path, pp2_baselines, schedule, limit_gib):
+    """Each stage plans its own blocks for every micro-batch in flight; the limit is per rank.
+    Smallest to largest useful peak, first and last stage: GPipe 59-105 and 69-124 MiB, 1F1B
+    59-83 and 59-72 MiB."""
+    dump = tmp_path / "dump"
+    out, records = run_titan(tmp_path, "plan", LLAMA, *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
+                             "--tapesac.limit_gib", str(limit_gib), dump=dump, steps=STEPS)
+    _ok(out)
+    assert _losses(records) == pp2_baselines[schedule]
+    _assert_planned_within_limit(records, limit_gib)
+    assert {p.name for p in (dump / "tapesac").glob("policy*.json")} == {"policy.pp0.json", "policy.pp1.json"}
+
+
+def test_a_limit_one_pipeline_stage_cannot_meet_is_reported_by_that_stage(tmp_path):
+    """Under GPipe the last stage holds every micro-batch's inputs: 66.6 MiB fits the first
+    stage's plan but not the last stage's smallest peak (about 69 MiB)."""
+    out, records = run_titan(tmp_path, "tight", LLAMA, *PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
+                             "--tapesac.limit_gib", "0.065", steps=STEPS)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    lines = [line for line in log.splitlines() if line.startswith("[tapesac] error:")]
+    assert len(lines) == 1 and "pipeline stage 1: memory limit" in lines[0] and "is infeasible" in lines[0], log[-3000:]
+    assert "exitcode  : 2" in log

@@ -1,4 +1,4 @@
-"""The ``tapesac`` model converter: TapeSAC on every transformer block, under FSDP2.
+"""The ``tapesac`` model converter: TapeSAC on every transformer block, under FSDP2, TP, EP, PP.
 
 torchtitan runs converters on the meta model, before parallelisation. The converter checks the
 job there (clear errors before any work) and wraps each block of ``model.layers``: wrapping
@@ -7,6 +7,13 @@ survives ``fully_shard`` (which swaps the class and the parameters, not the inst
 run time the wrapped forward therefore runs nested inside FSDP2's pre/post-forward hooks, with
 the parameters unsharded, and replay happens inside each block's own backward after FSDP2 has
 gathered the parameters again; no module hook runs twice.
+
+Under pipeline parallelism the model is split into stages after the converters ran (each stage a
+deep copy of the whole meta model with the other stages' modules removed), so the converter
+wraps later: right after torchtitan's ``pipeline_module_split``, still on the meta model parts
+and before they are parallelised, all blocks of this rank's stages under one handle. Stages hold
+different blocks, so each stage plans on its own: planned mode's collectives run in the group of
+ranks that hold the same stage, and each stage writes its own policy and frontier files.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch import nn
 
 import tapesac
 from tapesac.autoplan import PlanConfig
-from tapesac.errors import ConfigError
+from tapesac.errors import ConfigError, TapeSACError
 from tapesac.report import fmt_bytes
 
 from . import cpu_shim
@@ -66,9 +73,21 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             "(CLI: --parallelism.context_parallel_degree 1), or remove \"tapesac\" from model.converters"
         )
     if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
-        raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
-                          "parallelism.pipeline_parallel_degree = 1")
+        par = job_config.parallelism
+        schedule = par.pipeline_parallel_schedule
+        if par.pipeline_parallel_schedule_csv or schedule.lower() not in {s.lower() for s in PP_SCHEDULES}:
+            what = (f"pipeline_parallel_schedule_csv = {par.pipeline_parallel_schedule_csv!r}"
+                    if par.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {schedule!r}")
+            raise ConfigError(
+                f"TapeSAC supports the pipeline schedules {', '.join(PP_SCHEDULES)}; parallelism.{what} "
+                "is not one of them (zero-bubble schedules split backward into input and weight passes, "
+                "which TapeSAC does not replay): set parallelism.pipeline_parallel_schedule to one of those"
+            )
     return cfg
+
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""Pipeline schedules TapeSAC runs under: each micro-batch's backward is one autograd pass."""
 
 
 def _device() -> torch.device:
@@ -103,10 +122,72 @@ def _limit_source(cfg: Any, device: torch.device, capacity: int) -> str:
             f"so the 'device' is {what}, and the peak counted is the bytes of live tensor storages")
 
 
-def _info(message: str) -> None:
-    """Rank 0 speaks for all ranks (they make the same decisions)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def _info(message: str, stage: "_Stage | None" = None) -> None:
+    """Rank 0 speaks for all ranks (they make the same decisions); under pipeline parallelism,
+    the first rank of each stage speaks for its stage."""
+    first = stage.first_rank if stage is not None else 0
+    if int(os.environ.get("RANK", "0")) == first:
         logger.info(message)
+
+
+class _Stage:
+    """This rank's pipeline stages: their name, and the ranks that hold the same stages."""
+
+    def __init__(self, indices: list[int], group: Any, first_rank: int) -> None:
+        self.name = "+".join(map(str, indices))
+        self.group = group
+        """The process group of the ranks holding these stages (they plan together)."""
+        self.first_rank = first_rank
+
+    def exit_with(self, error: TapeSACError) -> None:
+        """End this rank on an error of this stage's planning, printed by the stage's first rank."""
+        exit_with(type(error)(f"pipeline stage {self.name}: {error}"), speaker=self.first_rank)
+
+
+def _stage_of(stages: list[Any]) -> _Stage:
+    """Who holds the same stages as this rank: one all-gather on the default group, then one
+    group per distinct set of stages (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    mine = tuple(s.stage_index for s in stages)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by_stage: dict[tuple, list[int]] = {}
+    for rank, held in enumerate(everyone):
+        by_stage.setdefault(held, []).append(rank)
+    group, _all = dist.new_subgroups_by_enumeration(list(by_stage.values()))
+    return _Stage(list(mine), group, by_stage[mine][0])
+
+
+def _per_stage(path: str | None, stage: _Stage | None) -> str | None:
+    """``policy.json`` -> ``policy.pp0.json``: each stage's plan in its own file."""
+    if path is None or stage is None:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.pp{stage.name}{p.suffix}"))
+
+
+def _wrap_after_pipeline_split(converter: "TapeSACConverter") -> None:
+    """Wrap the stages ``pipeline_module_split`` returns, once, as it returns them.
+
+    torchtitan's ``pipeline_llm`` (the ``pipelining_fn`` of its decoder models) splits the meta
+    model with this module-level function and then parallelises each part; the patch takes
+    itself out at its first call (one split per trainer) and holds the converter weakly.
+    """
+    from torchtitan.distributed import pipeline_parallel
+
+    original = pipeline_parallel.pipeline_module_split
+    ref = weakref.ref(converter)
+
+    def pipeline_module_split(*args: Any, **kwargs: Any):
+        pipeline_parallel.pipeline_module_split = original
+        stages, parts = original(*args, **kwargs)
+        target = ref()
+        if target is not None:
+            target.wrap(parts, _stage_of(stages))
+        return stages, parts
+
+    pipeline_parallel.pipeline_module_split = pipeline_module_split
 
 
 def _artifact(path: str, dump_folder: str, default: str) -> str | None:
@@ -146,36 +227,53 @@ class TapeSACConverter:
     # ModelConverter protocol ----------------------------------------------------------------
 
     def convert(self, model: nn.Module) -> None:
-        """Wrap every transformer block (on the meta model; FSDP2 shards around the wrappers)."""
+        """Wrap every transformer block (on the meta model; FSDP2 shards around the wrappers).
+        Under pipeline parallelism, arrange to wrap this rank's stages once they exist."""
         if not hasattr(model, "layers"):
             raise ConfigError(f"TapeSAC wraps model.layers, and {type(model).__name__} has none")
-        blocks = [b for b in model.layers.values() if b is not None]
+        if self.parallel_dims is not None and self.parallel_dims.pp_enabled:
+            _wrap_after_pipeline_split(self)
+            return
+        self.wrap([model])
+
+    def wrap(self, parts: list[nn.Module], stage: _Stage | None = None) -> None:
+        """Wrap the blocks of ``parts`` (this rank's model, or its pipeline stages) in one handle."""
+        blocks = [b for m in parts if getattr(m, "layers", None) is not None
+                  for b in m.layers.values() if b is not None]
+        where = f" of pipeline stage {stage.name}" if stage is not None else ""
+        if not blocks:
+            _info(f"TapeSAC: no transformer block{where}: nothing to wrap")
+            return
         device = _device()
         cfg = self.cfg
         if cfg.mode == "replay_only":
             self.handle = tapesac.wrap(blocks, debug=cfg.debug)
-            _info(f"TapeSAC: replay-only on {len(blocks)} blocks: nothing a block makes is kept, "
-                  "backward recomputes only what it reads")
+            _info(f"TapeSAC: replay-only on {len(blocks)} blocks{where}: nothing a block makes is kept, "
+                  "backward recomputes only what it reads", stage)
             return
         limit, capacity = memory_limit_bytes(cfg, device)
         self.limit_bytes = limit
         dump = self.job_config.job.dump_folder
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        meta = {"world_size": world, "model": f"{self.job_config.model.name}/{self.job_config.model.flavor}"}
+        if stage is not None:
+            meta["pipeline_stage"] = stage.name
         plan = PlanConfig(
             memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
             repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
-            policy_path=_artifact(cfg.policy_file, dump, "policy.json"),
-            frontier_path=_artifact(cfg.frontier_file, dump, "frontier.json"),
-            device=device, track=lambda: [model], fatal=exit_with,
-            policy_meta={"world_size": world, "model": f"{self.job_config.model.name}/"
-                         f"{self.job_config.model.flavor}"},
+            policy_path=_per_stage(_artifact(cfg.policy_file, dump, "policy.json"), stage),
+            frontier_path=_per_stage(_artifact(cfg.frontier_file, dump, "frontier.json"), stage),
+            device=device, track=lambda: parts,
+            fatal=stage.exit_with if stage is not None else exit_with,
+            process_group=stage.group if stage is not None else None,
+            policy_meta=meta,
         )
         self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
-        _info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
-              f"({_limit_source(cfg, device, capacity)}); {cfg.warmup_steps} warm-up step(s) replay-only, "
-              "then one profiled step, then the plan")
+        _info(f"TapeSAC: planned mode on {len(blocks)} blocks{where}, step-peak limit {fmt_bytes(limit)} "
+              f"per rank ({_limit_source(cfg, device, capacity)}); {cfg.warmup_steps} warm-up step(s) "
+              "replay-only, then one profiled step, then the plan", stage)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
