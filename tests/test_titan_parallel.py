@@ -63,7 +63,7 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_si
 def pp2_baselines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp2")
     losses = {}
-    for schedule in ("GPipe", "1F1B"):
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
         out, records = run_titan(tmp, schedule, LLAMA_BASELINE, *PP2,
                                  "--parallelism.pipeline_parallel_schedule", schedule, steps=STEPS)
         _ok(out)
@@ -82,18 +82,37 @@ def test_pipeline_parallel_replay_only_matches_pp_without_tapesac(tmp_path, pp2_
     assert all(s["ops_replayed"] > 0 for r in records for s in r["stats"].values())
 
 
-@pytest.mark.parametrize("schedule, limit_gib", [("GPipe", 0.08), ("1F1B", 0.065)])
+@pytest.mark.parametrize("schedule, limit_gib", [("GPipe", 0.08), ("1F1B", 0.065), ("Interleaved1F1B", 0.07)])
 def test_pipeline_parallel_planned_per_stage_at_a_tight_limit(tmp_path, pp2_baselines, schedule, limit_gib):
     """Each stage plans its own blocks for every micro-batch in flight; the limit is per rank.
     Smallest to largest useful peak, first and last stage: GPipe 59-105 and 69-124 MiB, 1F1B
-    59-83 and 59-72 MiB."""
+    59-83 and 59-72 MiB; Interleaved1F1B (two stages a rank, one handle) 59-85 and 58-90 MiB."""
     dump = tmp_path / "dump"
     out, records = run_titan(tmp_path, "plan", LLAMA, *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
                              "--tapesac.limit_gib", str(limit_gib), dump=dump, steps=STEPS)
     _ok(out)
     assert _losses(records) == pp2_baselines[schedule]
     _assert_planned_within_limit(records, limit_gib)
-    assert {p.name for p in (dump / "tapesac").glob("policy*.json")} == {"policy.pp0.json", "policy.pp1.json"}
+    names = {p.name for p in (dump / "tapesac").glob("policy*.json")}
+    assert names == ({"policy.pp0+2.json", "policy.pp1+3.json"} if schedule == "Interleaved1F1B"
+                     else {"policy.pp0.json", "policy.pp1.json"})
+
+
+def test_fsdp_with_pipeline_parallel_on_four_ranks_plans_per_stage_group(tmp_path):
+    """FSDP2 x PP2: the two ranks of a stage plan together (one policy each stage), the stages
+    apart; losses equal PP2 x FSDP2 without TapeSAC, peaks within the limit on all four ranks."""
+    pp = (*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B")
+    out, base = run_titan(tmp_path, "base", LLAMA_BASELINE, *pp, nproc=4, steps=STEPS)
+    _ok(out)
+    limit_gib = 0.06  # smallest to largest useful peak: 50-78 MiB (first stage), 51-67 MiB (last)
+    out, records = run_titan(tmp_path, "plan", LLAMA, *pp, "--tapesac.limit_gib", str(limit_gib), nproc=4, steps=STEPS)
+    _ok(out)
+    assert _losses(records) == _losses(base)
+    _assert_planned_within_limit(records, limit_gib)
+    # torchtitan puts pp outermost: ranks 0 and 1 hold the first stage, 2 and 3 the last.
+    assert records[0]["losses"][0] == records[1]["losses"][0] == "-0x1.0000000000000p+0"
+    for a, b in ((0, 1), (2, 3)):
+        assert records[a]["policy"] == records[b]["policy"] and records[a]["history"] == records[b]["history"]
 
 
 def test_a_limit_one_pipeline_stage_cannot_meet_is_reported_by_that_stage(tmp_path):
