@@ -125,3 +125,29 @@ def test_a_limit_one_pipeline_stage_cannot_meet_is_reported_by_that_stage(tmp_pa
     lines = [line for line in log.splitlines() if line.startswith("[tapesac] error:")]
     assert len(lines) == 1 and "pipeline stage 1: memory limit" in lines[0] and "is infeasible" in lines[0], log[-3000:]
     assert "exitcode  : 2" in log
+
+
+TP2 = ("--parallelism.tensor_parallel_degree", "2")  # torchtitan's llama3 TP plan: sequence parallel
+
+
+@pytest.fixture(scope="module")
+def tp2_baseline(tmp_path_factory):
+    out, records = run_titan(tmp_path_factory.mktemp("tp2"), "base", LLAMA_BASELINE, *TP2, steps=STEPS)
+    _ok(out)
+    return _losses(records)
+
+
+def test_tensor_parallel_replay_only_matches_tp_without_tapesac(tmp_path, tp2_baseline):
+    out, records = run_titan(tmp_path, "ro", LLAMA, *TP2, "--tapesac.mode", "replay_only", steps=STEPS)
+    _ok(out)
+    assert _losses(records) == tp2_baseline
+
+
+def test_tensor_parallel_planned_at_a_tight_limit(tmp_path, tp2_baseline):
+    """A plan that keeps part of each block under TP: some kept values are DTensors. Smallest
+    to largest useful peak about 69-84 MiB a rank."""
+    limit_gib = 0.075
+    out, records = run_titan(tmp_path, "plan", LLAMA, *TP2, "--tapesac.limit_gib", str(limit_gib), steps=STEPS)
+    _ok(out)
+    assert _losses(records) == tp2_baseline
+    _assert_planned_within_limit(records, limit_gib)
