@@ -32,7 +32,7 @@ from tapesac.autoplan import PlanConfig
 from tapesac.errors import ConfigError, TapeSACError
 from tapesac.report import fmt_bytes
 
-from . import cpu_shim
+from . import cpu_shim, permutation
 from .errors import exit_with
 
 try:
@@ -219,6 +219,9 @@ class TapeSACConverter:
             self.cfg = validate(job_config, parallel_dims)
         except ConfigError as e:
             exit_with(e)
+        if parallel_dims is not None and getattr(parallel_dims, "ep_enabled", False):
+            # The Triton permutation writes its indices where the recorder cannot see them.
+            permutation.install()
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
         _CONVERTERS.append(weakref.ref(self))

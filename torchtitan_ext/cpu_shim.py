@@ -6,7 +6,8 @@ torchtitan picks ``cuda`` when no accelerator is present, reads memory statistic
 torchtitan at a CPU "device module" with the few calls it makes, and makes FSDP2 reduce CPU
 gradients with plain sums and a separate division (FSDP2's own ``force_sum_reduction_for_comms``
 path, applied to every FSDP module whose gradients live on the CPU; the result is the same).
-It also ends a process whose gloo process groups were destroyed cleanly without the
+Expert parallelism's token permutation runs in torch (``torchtitan_ext.permutation``). It also
+ends a process whose gloo process groups were destroyed cleanly without the
 interpreter's final teardown, where gloo can abort an already finished job (see
 :func:`_exit_after_clean_teardown`).
 """
@@ -22,6 +23,8 @@ import sys
 from types import SimpleNamespace
 
 import torch
+
+from . import permutation
 
 _installed = False
 _patched_ops = False
@@ -118,7 +121,7 @@ def install() -> None:
     patch_ops()
     _sum_reductions_on_cpu()
     _experts_loop_on_cpu()
-    _token_permutation_on_cpu()
+    permutation.install()  # torchtitan's EP token permutation is a Triton kernel
     _exit_after_clean_teardown()
     _installed = True
 
@@ -139,59 +142,6 @@ def _experts_loop_on_cpu() -> None:
 
     forward.__tapesac__ = True  # type: ignore[attr-defined]
     GroupedExperts.forward = forward
-
-
-def permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_rank: int, num_ranks: int,
-                    max_len: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each token goes when the tokens an expert-parallel rank received are grouped by
-    local expert, in pure torch: ``(permuted_indices, m_sizes, m_offsets)`` as torchtitan's
-    ``generate_permute_indices`` returns them.
-
-    ``tokens_per_expert_group[r * experts_per_rank + e]`` tokens arrived from rank ``r`` for local
-    expert ``e``, in that order. Expert ``e``'s group starts at ``m_offsets[e] - m_sizes[e]`` and
-    holds its tokens from rank 0, then rank 1, ...; ``m_sizes[e]`` is its token count (at least
-    ``alignment``) rounded up to a multiple of ``alignment``. ``permuted_indices[i]`` is the
-    received token placed at position ``i``, or -1 for padding (the caller appends a zero row).
-    """
-    counts = tokens_per_expert_group.to(torch.int64)
-    per_rank = counts.view(num_ranks, experts_per_rank)
-    totals = per_rank.sum(0).clamp_min(alignment)
-    m_sizes = ((totals + alignment - 1) // alignment * alignment).to(torch.int32)
-    m_offsets = torch.cumsum(m_sizes, 0)
-    group_starts = m_offsets - m_sizes
-    # Destination of each (rank, expert) chunk: its expert's group start, after the same
-    # expert's chunks from lower ranks.
-    dest = (group_starts.unsqueeze(0) + torch.cumsum(per_rank, 0) - per_rank).reshape(-1)
-    source_starts = torch.cumsum(counts, 0) - counts
-    chunk = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    token = torch.arange(chunk.numel())
-    where = dest[chunk] + (token - source_starts[chunk])
-    inside = where < max_len
-    permuted = torch.full((max_len,), -1, dtype=torch.int32)
-    permuted[where[inside]] = token[inside].to(torch.int32)
-    return permuted, m_sizes, m_offsets.to(torch.int32)
-
-
-def _token_permutation_on_cpu() -> None:
-    """torchtitan's expert parallelism groups received tokens by expert with a Triton kernel
-    (``generate_permute_indices``), which cannot run without a GPU: CPU tensors get
-    :func:`permute_indices` instead (the same indices)."""
-    try:
-        from torchtitan.models.moe import utils
-    except ImportError:  # a torchtitan without MoE (or without Triton): nothing to patch
-        return
-    original = utils.generate_permute_indices
-    if getattr(original, "__tapesac__", False):
-        return
-
-    def generate_permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, max_len,
-                                 alignment, use_cpu=False):
-        if tokens_per_expert_group.device.type != "cpu":
-            return original(tokens_per_expert_group, experts_per_rank, num_ranks, max_len, alignment, use_cpu)
-        return permute_indices(tokens_per_expert_group, experts_per_rank, num_ranks, max_len, alignment)
-
-    generate_permute_indices.__tapesac__ = True  # type: ignore[attr-defined]
-    utils.generate_permute_indices = generate_permute_indices
 
 
 def _sum_reductions_on_cpu() -> None:
