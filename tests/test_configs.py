@@ -30,6 +30,9 @@ def test_there_are_cpu_debug_and_gpu_jobs():
     names = {p.name for p in CONFIGS}
     assert {"llama3_debug_cpu.toml", "qwen3_debug_cpu.toml", "qwen3_moe_debug_cpu.toml"} <= names
     assert {"llama3_8b.toml", "qwen3_8b.toml", "qwen3_30b_a3b.toml"} <= names
+    parallel = {"llama3_tp2_debug_cpu.toml", "llama3_fsdp2_tp2_debug_cpu.toml", "llama3_pp2_debug_cpu.toml",
+                "qwen3_moe_ep2_debug_cpu.toml", "qwen3_moe_ep2_debug_cpu_baseline.toml", "llama3_70b.toml"}
+    assert parallel <= names
 
 
 def test_toml_section_and_eager_plan_config_share_defaults():
