@@ -77,3 +77,45 @@ def test_eager_plan_config_uses_the_same_checks():
         PlanConfig(memory_limit_bytes=10, safety_margin=2.0)
     with pytest.raises(tapesac.ConfigError, match="memory_limit_bytes must be a positive number"):
         PlanConfig(memory_limit_bytes=0)
+
+
+@pytest.mark.parametrize("overrides, dims, message", [
+    (["--parallelism.context_parallel_degree", "2"], {"cp_enabled": True},
+     "set parallelism.context_parallel_degree = 1"),
+    (["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"], {"pp_enabled": True},
+     "set parallelism.pipeline_parallel_schedule to one of those"),
+    (["--parallelism.pipeline_parallel_schedule_csv", "schedule.csv"], {"pp_enabled": True},
+     "pipeline_parallel_schedule_csv = 'schedule.csv' is not one of them"),
+    ([], {"pp_enabled": True, "custom_split": True}, "splits its pipeline stages with its own"),
+])
+def test_parallelisms_tapesac_cannot_run_are_refused_with_the_setting_to_change(monkeypatch, overrides, dims, message):
+    from types import SimpleNamespace
+
+    import tapesac
+    import torchtitan_ext  # noqa: F401
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext import converter
+
+    if dims.pop("custom_split", False):
+        monkeypatch.setattr(converter, "_pipelining_fn", lambda name: (lambda *a: None))
+    cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug_cpu.toml"),
+                                      *overrides])
+    parallel_dims = SimpleNamespace(**{"cp_enabled": False, "pp_enabled": False, **dims})
+    with pytest.raises(tapesac.ConfigError) as e:
+        converter.validate(cfg, parallel_dims)
+    assert message in str(e.value)
+
+
+def test_pipeline_parallel_with_torchtitans_split_is_accepted():
+    from types import SimpleNamespace
+
+    import torchtitan_ext  # noqa: F401
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext import converter
+
+    for schedule in converter.PP_SCHEDULES:
+        cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug_cpu.toml"),
+                                          "--parallelism.pipeline_parallel_schedule", schedule])
+        converter.validate(cfg, SimpleNamespace(cp_enabled=False, pp_enabled=True))

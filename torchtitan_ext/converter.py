@@ -83,7 +83,30 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
                 "is not one of them (zero-bubble schedules split backward into input and weight passes, "
                 "which TapeSAC does not replay): set parallelism.pipeline_parallel_schedule to one of those"
             )
+        split = _pipelining_fn(job_config.model.name)
+        if split is not None and not _is_pipeline_llm(split):
+            raise ConfigError(
+                f"model {job_config.model.name} splits its pipeline stages with its own "
+                f"{getattr(split, '__qualname__', split)}, and TapeSAC wraps the stages that torchtitan's "
+                "pipeline_llm makes: set parallelism.pipeline_parallel_degree = 1, or remove \"tapesac\" "
+                "from model.converters"
+            )
     return cfg
+
+
+def _pipelining_fn(model_name: str) -> Any:
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        return get_train_spec(model_name).pipelining_fn
+    except Exception:  # noqa: BLE001 - an unknown model fails in torchtitan, with its own message
+        return None
+
+
+def _is_pipeline_llm(fn: Any) -> bool:
+    from torchtitan.distributed import pipeline_parallel
+
+    return fn is pipeline_parallel.pipeline_llm
 
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
