@@ -12,4 +12,4 @@ PY=$(bash scripts/python.sh)
 if ! "$PY" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v != (2, 13))' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[torchtitan,test,plot]"
+"$PY" -m pip install -q -e ".[torchtitan02,test,plot]"

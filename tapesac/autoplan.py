@@ -435,6 +435,11 @@ class AutoPlanner:
         elif replayer is not None and self._step.active is not None and not self._step.off_plan:
             self._step.replayers.append(weakref.ref(replayer))
 
+    @property
+    def measuring(self) -> bool:
+        """This step's memory is traced (profiled, verified, or not yet decided)."""
+        return self._trace is not None
+
     def policy_mismatch(self, state, what: str) -> bool:
         """A recording's tape does not fit its plan: it runs replay-only (the block drops what it
         would keep) and the step is marked; the plan is dropped on every rank at the step's end."""

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .errors import PolicyError, TapeSACError
-from .recorder import ProgramCheck, Recorder, unpack_saved
-from .replay import Replayer, rebuildable
+from .recorder import FollowPlan, ProgramCheck, Recorder, unpack_saved
+from .replay import ReplayProgram, Replayer, rebuildable
 
 _local = threading.local()
 
@@ -52,6 +52,13 @@ class BlockState:
         self.program_hash: int | None = None
         """``Tape.program_hash`` of the program the policy in use was made for (pass-through
         blocks check it every forward); None until known."""
+        self._follow: dict[tuple, FollowPlan] = {}
+        """Input shapes -> the verified forward later forwards follow instead of recording
+        (:class:`~tapesac.recorder.FollowPlan`), for the keep set in use."""
+        self._last_key: dict[tuple, int] = {}
+        """Input shapes -> ``Tape.fast_key`` of the last recorded forward: a program recorded
+        twice in a row (or matching the policy's signature) is followed from then on."""
+        self._passthrough_forwards = 0
         self.recording_id = -1
         """Planned mode: id of the current recording (the step model follows recordings)."""
         self.timer = None
@@ -87,6 +94,7 @@ class BlockState:
             return
         self._policy_entry = entry
         self._verified_key = None
+        self._follow, self._last_key = {}, {}
         self.program_hash = program_hash
         if entry is None:
             self.keep, self.expected_signature, self.passthrough = None, None, False
@@ -141,22 +149,34 @@ class BlockState:
         if self.controller is not None:
             self.controller.before_forward(self, args, kwargs)
         # A pass-through block runs as plain autograd (its policy keeps everything backward reads,
-        # so its gradients are exact whatever the program), under a cheap check that the program
-        # is still the one the policy was made for; the first forward under a policy without a
-        # known program records instead, to learn it.
+        # so its gradients are exact whatever the program). Its program only decides its memory:
+        # it is checked against the policy's (a hashing dispatch mode, O(ops)) in the steps whose
+        # memory is measured and in every PASSTHROUGH_CHECK_EVERY-th forward, and runs unchecked
+        # (nothing per op) in the others. The first forward under a policy without a known
+        # program records instead, to learn it.
         if self.passthrough and self.timer is None and self.program_hash is not None:
             self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
                               input_bytes=0, recomputed_bytes=0, passthrough=True)
-            with ProgramCheck() as check:
+            self._passthrough_forwards += 1
+            measured = self.controller is not None and self.controller.measuring
+            if measured or self._passthrough_forwards % PASSTHROUGH_CHECK_EVERY == 1:
+                with ProgramCheck() as check:
+                    out = self.original_forward(*args, **kwargs)
+                if check.program_hash != self.program_hash:
+                    self._mismatch("a different program (the ops it ran changed)")
+            else:
                 out = self.original_forward(*args, **kwargs)
-            if check.program_hash != self.program_hash:
-                self._mismatch("a different program (the ops it ran changed)")
             if self.controller is not None:
                 self.controller.after_forward(self, None)
             return out
-        owned = {id(t) for t in module.parameters()}
-        owned.update(id(t) for t in module.buffers())
-        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer)
+        def owned() -> set[int]:
+            ids = {id(t) for t in module.parameters()}
+            ids.update(id(t) for t in module.buffers())
+            return ids
+
+        key = _shape_key(args, kwargs)
+        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
+                       follow=self._follow.get(key))
         _local.active = self
         # Recording makes a few small objects per op; automatic collections triggered by them in
         # the middle of a forward cost more than the recording itself. Pause them for the block
@@ -170,42 +190,80 @@ class BlockState:
             _local.active = None
             if collecting:
                 gc.enable()
-        replayer = self._finish(rec, args, kwargs)
+        replayer = self._finish(rec, args, kwargs, key)
         if self.controller is not None:
             self.controller.after_forward(self, replayer)
         return out
 
-    def _finish(self, rec: Recorder, args: tuple, kwargs: dict) -> Replayer:
-        if self.expected_signature is not None:
-            fast = rec.tape.fast_key()
-            sig = self.expected_signature if fast == self._verified_key else rec.tape.signature()
-            if sig == self.expected_signature:
-                self._verified_key = fast
-                if self.program_hash is None:
-                    self.program_hash = rec.tape.program_hash()
-            else:
-                self._mismatch(f"signature {sig}, {len(rec.tape.ops)} ops")
-                _forget_keeps(rec)  # this recording runs replay-only: no memory the plan did not count
-            self.stats["signature"] = sig
+    def _finish(self, rec: Recorder, args: tuple, kwargs: dict, key: tuple) -> Replayer:
+        recording = rec.finalize()  # the recorder is done: replay owns the recording
+        tape = recording.tape
+        program = None
+        if not rec.followed:  # a followed forward ran the verified tape's program: nothing to check
+            program = self._check_program(recording, key)
         if self.on_record is not None:
             self.on_record(self, rec, args, kwargs)
-        tape = rec.tape
-        replayer = Replayer(rec.finalize())  # the recorder is done: replay owns the recording
+        replayer = Replayer(recording, program)
         replayer.stats = self.stats
         s = self.stats
         s["passthrough"] = False
+        s["followed"] = rec.followed
         s["ops_recorded"] = len(tape.ops)
         s["ops_in_closure"] = len(replayer.closure_ops)
-        s["values_read"] = len(tape.read_vids())
+        s["values_read"] = len(replayer.program.reads)
         s["kept_bytes"] = replayer.kept_bytes()
         s["input_bytes"] = replayer.input_bytes()
         self.last_replayer = weakref.ref(replayer)
         self.last_tape = tape
         return replayer
 
+    def _check_program(self, recording: Any, key: tuple) -> ReplayProgram:
+        """A recorded forward: check its program against the policy's, and let the next forwards
+        follow it once it is known good (seen twice in a row, or matching the policy). Returns
+        its replay program."""
+        tape = recording.tape
+        if self.expected_signature is not None:
+            fast = tape.fast_key()
+            sig = self.expected_signature if fast == self._verified_key else tape.signature()
+            self.stats["signature"] = sig
+            if sig != self.expected_signature:
+                self._mismatch(f"signature {sig}, {len(tape.ops)} ops")
+                _forget_keeps(recording)  # it runs replay-only: no memory the plan did not count
+                return ReplayProgram(tape, recording.held)
+            self._verified_key = fast
+            if self.program_hash is None:
+                self.program_hash = tape.program_hash()
+        program = ReplayProgram(tape, recording.held)
+        if self.debug or not FollowPlan.eligible(tape, program):
+            return program
+        if self.expected_signature is None:  # replay-only: known good once seen twice in a row
+            fast = tape.fast_key()
+            known, self._last_key[key] = self._last_key.get(key) == fast, fast
+            if not known:
+                return program
+        if len(self._follow) >= _MAX_FOLLOW_PLANS:
+            self._follow.clear()
+        plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids)
+        plan.program = program
+        return program
 
-def _forget_keeps(rec: Recorder) -> None:
+
+PASSTHROUGH_CHECK_EVERY = 16
+"""A pass-through block checks its program in measured steps and in every this many forwards."""
+
+_MAX_FOLLOW_PLANS = 8
+"""Input shapes a block keeps a follow plan for at once (more: start again)."""
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    """Which follow plan a forward tries: its tensor arguments' shapes, dtypes and grad flags.
+    Only a guess (a followed forward checks everything it reads), so it may be coarse."""
+    return tuple((a.shape, a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
+                 for a in (*args, *kwargs.values()))
+
+
+def _forget_keeps(recording: Any) -> None:
     """Drop the holds a keep set added, before the replayer is built: what is left is exactly
     what replay-only holds (externals, snapshots, outputs of keep-only ops, free views)."""
-    for vid in [v for v in rec.held if rebuildable(rec.tape, v)]:
-        del rec.held[vid]
+    for vid in [v for v in recording.held if rebuildable(recording.tape, v)]:
+        del recording.held[vid]

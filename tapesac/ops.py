@@ -47,6 +47,9 @@ class OpInfo:
     index_like: bool = False
     """Advanced indexing: data-dependent only when an index is a boolean mask (see
     :func:`keep_only_reason`)."""
+    returns_tensor: bool = True
+    """The schema can return a tensor (``Tensor``, ``Tensor?``, ``Tensor[]``, ...); an op that
+    cannot and writes nothing never reaches a tape (``.item()``, ``equal``)."""
     view_of: int | None = None
     """For a view op (every return aliases one argument without writing it): that argument's
     position. Autograd gives the views it returns that argument's version counter, after the
@@ -94,6 +97,7 @@ def _analyse(func: Any) -> OpInfo:
         random=torch.Tag.nondeterministic_seeded in tags,
         keep_only=keep_only,
         index_like=schema.name in _INDEX_OPS,
+        returns_tensor=any("Tensor" in str(r.type) for r in schema.returns),
         view_of=_view_of(schema),
         collective=namespace in COLLECTIVE_NAMESPACES,
     )

@@ -9,7 +9,13 @@ During a wrapped block's forward two things are active:
 
 When the forward returns, :meth:`Recorder.finalize` hands a plain :class:`Recording` (the tape and
 the few tensors backward needs) to a :class:`~tapesac.replay.Replayer`, which owns it from then
-on. Data flows one way: the handles reach the replayer through a :class:`ReplayLink`, never back
+on.
+
+*Follow mode*: given a :class:`FollowPlan` (a verified earlier forward of the same program), the
+recorder builds no tape. It checks each op against the plan's next one and keeps the invariants
+below with the plan's values (identities in ``_fids``, with this forward's versions, generator
+states and differing constants kept beside the shared tape); at the first op that departs it
+turns what it followed into a tape of its own (``_leave_follow``) and records from there. Data flows one way: the handles reach the replayer through a :class:`ReplayLink`, never back
 into the recorder, which is dropped.
 
 Invariants the recorder keeps (each is relied on by replay):
@@ -37,6 +43,7 @@ Invariants the recorder keeps (each is relied on by replay):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from typing import Any
@@ -44,10 +51,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ReplayError
+from .errors import ReplayError, TapeSACError
 from .replay import modified_error
 from .ops import generator_for, keep_only_reason, op_info, written_tensors
-from .tape import EXTERNAL, PRODUCED, SNAPSHOT, Ref, Tape, TapeOp, flatten_outputs
+from .tape import EXTERNAL, PRODUCED, SNAPSHOT, Ref, Tape, TapeOp, _has_ref, flatten_outputs
 
 Tensor = torch.Tensor
 
@@ -117,8 +124,21 @@ class AsIs:
 
     def __init__(self, link: ReplayLink, t: Tensor) -> None:
         self.link = link
-        self.tensor = t.detach()  # made at autograd level: shares t's version counter
+        self.tensor = _detach(t)  # made at autograd level: shares t's version counter
         self.version = t._version
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _detach(t: Tensor) -> Tensor:
+    """``t.detach()`` from the pack hook, where the recorder's mode is active: plain tensors skip
+    the round trip through Python dispatch (a detach is the same alias either way); subclasses
+    (DTensor) need their own dispatch."""
+    if type(t) in _PLAIN:
+        with torch._C._DisableTorchDispatch():
+            return t.detach()
+    return t.detach()
 
 
 def unpack_saved(obj: Any) -> Any:
@@ -163,7 +183,113 @@ class Recording:
     """Debug mode: vid -> the forward's tensor, to compare the replayed value with."""
     link: ReplayLink
     """What the forward's :class:`Saved` handles point at; the replayer binds itself to it."""
+    rng: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    """op index -> (generator, state) where this forward's differs from the tape's ``rng`` (a
+    followed tape is another forward's: every random op is here)."""
+    args: dict[int, tuple[tuple, dict]] = dataclasses.field(default_factory=dict)
+    """op index -> (args, kwargs) where this forward's constants differ from the tape's."""
+    plan: "FollowPlan | None" = None
+    """The plan this forward followed to its end (its tape is ``tape``), else None."""
 
+
+
+class _FollowStep:
+    """One tape op as a followed forward checks and maps it."""
+
+    __slots__ = ("func", "info", "args", "kwargs", "outs", "n_returned", "holds", "rng", "view_of",
+                 "after", "written", "next_vid", "may_differ", "tensors", "lists", "kw_tensors",
+                 "const_pos", "consts", "const_types", "kw_const_names", "kw_consts", "kw_const_types")
+
+    def __init__(self, op: TapeOp, held: set[int]) -> None:
+        self.func = op.func
+        self.info = op_info(op.func)
+        self.args = op.args
+        self.kwargs = op.kwargs
+        self.outs = tuple(op.outs)
+        self.n_returned = op.n_returned
+        self.holds = tuple((slot, vid) for slot, vid in enumerate(op.outs) if vid is not None and vid in held)
+        self.rng = op.rng is not None
+        self.view_of = self.info.view_of
+        self.after = dict(op.writes)
+        """vid before -> vid after, of each argument the op writes."""
+        self.written = frozenset(self.after.values())
+        self.may_differ = op.n_returned == 1 and op.outs[0] is not None and not op.writes and not self.rng
+        """Constants may differ from the tape's: one tensor out, nothing written, no generator."""
+        tensors, lists, const_pos = [], [], []
+        for pos, a in enumerate(op.args):
+            if type(a) is Ref:
+                tensors.append((pos, -1, a.vid))
+            elif type(a) is list and _has_ref(a):
+                lists.append((pos, tuple(a)))
+                tensors.extend((pos, sub, x.vid) for sub, x in enumerate(a) if type(x) is Ref)
+            else:
+                const_pos.append(pos)
+        self.tensors = tuple(tensors)
+        self.lists = tuple(lists)
+        self.const_pos = tuple(const_pos)
+        self.consts = tuple(op.args[p] for p in const_pos)
+        self.const_types = tuple(map(type, self.consts))
+        self.kw_tensors = tuple((k, a.vid) for k, a in op.kwargs.items() if type(a) is Ref)
+        self.kw_const_names = tuple(k for k, a in op.kwargs.items() if not _has_ref(a))
+        self.kw_consts = tuple(op.kwargs[k] for k in self.kw_const_names)
+        self.kw_const_types = tuple(map(type, self.kw_consts))
+
+
+class FollowPlan:
+    """A verified block forward prepared for later forwards of the same program to *follow*.
+
+    A forward that follows runs under the recorder as usual, but instead of building a tape it
+    checks each op against the plan's (same overload, the same values as arguments, by identity
+    and version, the same constants) and only does what backward needs: it maps outputs to the
+    tape's values, holds what the verified forward held, keeps generator states, and turns saved
+    tensors into handles. The tape (no tensors) is shared by every forward that follows it.
+
+    What a followed forward guarantees is what a recorded one does: its replay runs exactly the
+    ops it dispatched, on the values they read. Every op is checked before it runs; at the first
+    one that departs (another overload, another argument, another constant where the op's output
+    could change shape or number, a tensor written through an alias, a saved tensor the tape did
+    not save, fewer ops) the forward hands what it followed over to a recording of its own and
+    records the rest, so a program that changes with its input is recorded, never replayed from a
+    stale tape. Integer and float constants of ops with one tensor output (sizes that depend on
+    the data, a scale read with ``.item()``) may differ: replay uses this forward's.
+
+    Not eligible (recorded every time): tapes where replay needs a snapshot (a held value that was
+    written in place), with storage aliases (a tensor written through another alias) or with
+    tensor lists passed by keyword; debug mode; profiling. A snapshot replay does not need (a
+    buffer updated in place, such as MoE load statistics) is not taken when following.
+    """
+
+    def __init__(self, tape: Tape, held: Any, owned_vids: Any = ()) -> None:
+        self.tape = tape
+        values = tape.values
+        held = set(held)
+        steps = []
+        next_vid = 0
+        for op in tape.ops:
+            step = _FollowStep(op, held)
+            for vid in (*op.deps, *(o for o in op.outs if o is not None)):
+                next_vid = max(next_vid, vid + 1)
+            step.next_vid = next_vid
+            steps.append(step)
+        self.steps = steps
+        self.reads = {v.vid: v.reads for v in values if v.reads}
+        """vid -> times autograd saved it: a followed forward must save the same."""
+        self.last_versions = {v.sid: v.version for v in values}
+        """sid -> version of the last value in that storage (see :meth:`Saved.settle`)."""
+        self.program = None
+        """The replay program of forwards that follow this plan (made by the first one)."""
+        self.owned_vids = frozenset(owned_vids)
+        """Externals that were the block's own parameters and buffers."""
+
+    @staticmethod
+    def eligible(tape: Tape, program: Any) -> bool:
+        """Whether forwards may follow ``tape`` (``program``: its :class:`ReplayProgram`)."""
+        values = tape.values
+        # A snapshot replay needs is a copy the recorder made before a write: record every time.
+        # One it does not need (a buffer updated in place, e.g. MoE load statistics) costs nothing.
+        return not any(values[vid].kind == SNAPSHOT for vid in (*program.pinned, *program.kept)) and all(
+            hasattr(op.func, "_schema") and not any(type(a) is not Ref and _has_ref(a) for a in op.kwargs.values())
+            for op in tape.ops)
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
     dev = kwargs.get("device")
@@ -213,7 +339,7 @@ class Recorder(TorchDispatchMode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
-                 owned: set[int] | None = None, timer=None) -> None:
+                 owned: set[int] | None = None, timer=None, follow: "FollowPlan | None" = None) -> None:
         super().__init__()
         self.block = block
         self.timer = timer
@@ -230,14 +356,36 @@ class Recorder(TorchDispatchMode):
         version carrier is made from it then (invariant 7)."""
         self.debug_refs: dict[int, Tensor] | None = {} if debug else None
         self._keep = keep or frozenset()
-        self._owned = owned or set()
-        """ids of the block's own parameters and buffers (not counted as inputs)."""
+        self._owned_of = owned
+        self._owned_ids: set[int] | None = None
+        """ids of the block's own parameters and buffers (not counted as inputs), from ``owned``
+        (a callable) at the first external."""
         self.owned_vids: set[int] = set()
         self._ids: dict[int, tuple[weakref.ref, int]] = {}
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         self._held_by_sid: dict[int, set[int]] = {}
         self._last_write: dict[int, int] = {}
         self._bypass = False
+        # Follow mode (see FollowPlan): the tape of a verified earlier forward stands in for this
+        # one's, op by op, until the program departs from it.
+        self._plan = None if (debug or timer is not None) else follow
+        self.followed = False
+        """The forward ran to its end on ``follow``'s tape: ``tape`` is that (shared) tape."""
+        self._i = 0
+        """Follow mode: index of the next tape op."""
+        self._n = 0
+        """Follow mode: id of the next value."""
+        self._fids: dict[int, tuple[weakref.ref, int, int]] = {}
+        """Follow mode: id(tensor) -> (weak ref, vid, version): the identity map, with each
+        value's version kept here because the shared tape's are another forward's."""
+        self._reads: dict[int, int] = {}
+        """Follow mode: vid -> times saved for backward so far."""
+        self._rng: dict[int, tuple] = {}
+        """Follow mode: op index -> (generator, state) of this forward's random ops."""
+        self._args: dict[int, tuple[tuple, dict]] = {}
+        """Follow mode: op index -> (args, kwargs) where this forward's constants differ."""
+        self._held_versions: dict[int, int] = {}
+        """Follow mode: vid -> version of the held values (the shared tape's are another forward's)."""
         ref = weakref.ref(self)
 
         def pack(t: Tensor) -> Any:
@@ -287,6 +435,13 @@ class Recorder(TorchDispatchMode):
         if id(t) in self._owned:
             self.owned_vids.add(vid)
         return vid
+
+    @property
+    def _owned(self) -> set[int]:
+        if self._owned_ids is None:
+            owned = self._owned_of
+            self._owned_ids = set() if owned is None else owned() if callable(owned) else owned
+        return self._owned_ids
 
     def _produced(self, op: int, slot: int, t: Tensor, version: int, sid: int) -> int:
         vid = self.tape.add_value(op, slot, PRODUCED, t, version, sid)
@@ -359,6 +514,11 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._fresh:
             self._settle()
+        if self._plan is not None:
+            return self._follow_op(func, args, kwargs)
+        return self._record(func, args, kwargs)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = op_info(func)
         deps: list[int] = []
         encode = self._encode
@@ -382,10 +542,15 @@ class Recorder(TorchDispatchMode):
             elapsed = None
         else:
             out, elapsed = self.timer.call(func, args, kwargs, can_repeat=not written, rng=rng)
+        self._commit(func, info, args, eargs, ekwargs, deps, written, before, rng, elapsed, out)
+        return out
 
+    def _commit(self, func: Any, info: Any, args: tuple, eargs: tuple, ekwargs: dict, deps: list[int],
+                written: Any, before: list, rng: Any, elapsed: float | None, out: Any) -> None:
+        """Put an op that has run on the tape: its values, and what is held of them."""
         flat = flatten_outputs(out)
         if not written and not any(isinstance(o, Tensor) for o in flat):
-            return out
+            return
         tape = self.tape
         idx = len(tape.ops)
         op = TapeOp(func, eargs, ekwargs, tuple(deps) if len(deps) < 2 else tuple(dict.fromkeys(deps)))
@@ -433,7 +598,203 @@ class Recorder(TorchDispatchMode):
         for slot, vid in enumerate(outs):
             if vid is not None and (keep_all or values[vid].free or (idx, slot) in keep):
                 self._hold(vid, tensors[slot])
+
+    # Follow mode ----------------------------------------------------------------------------
+
+    def _follow_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run one op of a followed forward: check it is the tape's next op on the same values,
+        then do only what backward needs of it (map its outputs, hold what the tape held)."""
+        plan = self._plan
+        i = self._i
+        step = plan.steps[i] if i < len(plan.steps) else None
+        if step is None or func is not step.func:
+            if not op_info(func).returns_tensor and not op_info(func).write_args:
+                return func(*args, **kwargs)  # never on a tape (``.item()``): nothing to follow
+            self._leave_follow()
+            return self._record(func, args, kwargs)
+        seen = self._match_args(step, args, kwargs)
+        if seen is None:
+            self._leave_follow()
+            return self._record(func, args, kwargs)
+        written = written_tensors(step.info, args, kwargs) if step.info.write_args else ()
+        if step.rng:
+            gen = generator_for(func, args, kwargs, _device_of(args, kwargs))
+            self._rng[i] = (gen, gen.get_state())
+        out = func(*args, **kwargs)
+        flat = flatten_outputs(out)
+        outs = step.outs
+        n = step.n_returned
+        if len(flat) != n or any((vid is None) != (not isinstance(o, Tensor)) for o, vid in zip(flat, outs)):
+            # Same op on the same values, other returns (a data-dependent count): record it.
+            if written:
+                raise TapeSACError(
+                    f"TapeSAC block {self.block}: in-place op {func} returned other values than when "
+                    "the block was recorded; please report this with the block")
+            rng = self._rng.get(i)
+            self._leave_follow()
+            self._commit(func, step.info, args, *self._encode_all(args, kwargs), (), [], rng, None, out)
+            return out
+        fids = self._fids
+        ref = weakref.ref
+        tensors: list[Tensor | None] = list(flat)
+        view_of = step.view_of
+        for slot in range(n):
+            vid = outs[slot]
+            if vid is None or vid in step.written:
+                continue
+            o = flat[slot]
+            # A view's own counter still reads 0 here; autograd then shares its base's.
+            fids[id(o)] = (ref(o), vid, o._version if view_of is None else _version_of(args, view_of, o))
+        for t, bumps in written:
+            after = step.after[seen[id(t)]]
+            fids[id(t)] = (ref(t), after, t._version + (1 if bumps and not step.info.inplace_view else 0))
+            if outs.index(after) >= n:
+                tensors.append(t)
+        for slot, vid in step.holds:
+            self._follow_hold(vid, tensors[slot])
+            self._held_versions[vid] = fids[id(tensors[slot])][2]
+        self._n = step.next_vid
+        self._i = i + 1
         return out
+
+    def _match_args(self, step: "_FollowStep", args: tuple, kwargs: dict) -> dict[int, int] | None:
+        """id(tensor) -> vid for the op's tensor arguments if they are the tape's (and its
+        constants match, or may differ here); None if the program departs from the tape."""
+        if len(args) != len(step.args) or (kwargs or step.kwargs) and kwargs.keys() != step.kwargs.keys():
+            return None
+        for pos, expected in step.lists:  # tensor lists: same length, same non-tensor entries
+            a = args[pos]
+            if type(a) not in (list, tuple) or len(a) != len(expected):
+                return None
+            for x, y in zip(a, expected):
+                if type(y) is not Ref and (type(x) is not type(y) or x != y):
+                    return None
+        seen: dict[int, int] = {}
+        match = self._match_tensor
+        for pos, sub, vid in step.tensors:  # in the order the recorder met them
+            if not match(args[pos] if sub < 0 else args[pos][sub], vid, seen):
+                return None
+        for name, vid in step.kw_tensors:
+            if not match(kwargs[name], vid, seen):
+                return None
+        consts = tuple([args[p] for p in step.const_pos])
+        kw_consts = tuple([kwargs[k] for k in step.kw_const_names]) if step.kw_const_names else ()
+        # Same overload, so the schema fixes each position's kind; a type can still differ where
+        # the schema allows several (``Tensor?``, ``Scalar``): compare types first, then values.
+        if (tuple(map(type, consts)) != step.const_types or consts != step.consts
+                or kw_consts and (tuple(map(type, kw_consts)) != step.kw_const_types or kw_consts != step.kw_consts)):
+            if not step.may_differ or any(isinstance(x, Tensor) or type(x) in (list, tuple) and any(
+                    isinstance(y, Tensor) for y in x) for x in (*consts, *kw_consts)):
+                return None
+            # Integers and floats are data (sizes, scales): replay must use this forward's.
+            self._args[self._i] = self._encode_follow(step, args, kwargs)
+        return seen
+
+    def _match_tensor(self, a: Any, vid: int, seen: dict[int, int]) -> bool:
+        if not isinstance(a, Tensor):
+            return False
+        ent = self._fids.get(id(a))
+        if ent is not None and ent[0]() is a:
+            if ent[1] != vid or a._version != ent[2]:
+                return False
+            seen[id(a)] = vid
+            return True
+        # A tensor this forward has not seen: it must be where the tape met a new external (or
+        # the snapshot the recorder later made of one, which it was until then).
+        v = self._plan.tape.values[vid]
+        if v.op >= 0 or vid != self._n or a.shape != v.shape or a.dtype != v.dtype:
+            return False
+        self._fids[id(a)] = (weakref.ref(a), vid, a._version)
+        self._n = vid + 1
+        self._follow_hold(vid, a)
+        self._held_versions[vid] = a._version
+        if vid in self._plan.owned_vids:  # the same program: the same parameters
+            self.owned_vids.add(vid)
+        seen[id(a)] = vid
+        return True
+
+    def _follow_hold(self, vid: int, t: Tensor) -> None:
+        """:meth:`_hold` while following (storages are tracked again if the forward departs)."""
+        self.held[vid] = t.detach()
+        self._fresh.append((vid, weakref.ref(t)))
+
+    def _encode_follow(self, step: "_FollowStep", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """This forward's arguments in tape form: the tape's Refs, this forward's constants."""
+        eargs = tuple(e if type(e) is Ref or (type(e) is list and _has_ref(e)) else a
+                      for a, e in zip(args, step.args))
+        ekwargs = {k: e if _has_ref(e) else kwargs[k] for k, e in step.kwargs.items()}
+        return eargs, ekwargs
+
+    def _encode_all(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
+        """(eargs, ekwargs, deps) as :meth:`_record` encodes them (recording mode only)."""
+        deps: list[int] = []
+        eargs = tuple([self._encode(a, deps) for a in args])
+        ekwargs = {k: self._encode(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
+        return eargs, ekwargs, deps
+
+    def _follow_pack(self, t: Tensor) -> Any:
+        """The pack hook while following; None to fall back to recording mode's answer."""
+        ent = self._fids.get(id(t))
+        if ent is None or ent[0]() is not t:
+            return AsIs(self.link, t)
+        vid = ent[1]
+        if t._version != ent[2]:  # written through another alias: recording mode makes a new value
+            self._leave_follow()
+            return None
+        v = self._plan.tape.values[vid]
+        if v.kind != PRODUCED or v.free:
+            return AsIs(self.link, t)
+        self._reads[vid] = self._reads.get(vid, 0) + 1
+        handle = Saved(self.link, vid, t)
+        self._saved.append(handle)
+        return handle
+
+    def _leave_follow(self) -> None:
+        """The program departs from the followed tape: turn what was followed into a recording
+        of its own (the tape's ops and values so far, with this forward's versions, constants,
+        generator states and reads) and record the rest of the forward."""
+        plan = self._plan
+        self._plan = None
+        ref = plan.tape
+        tape = self.tape
+        n = self._n
+        snapshot_sids = set()
+        for rv in ref.values[:n]:
+            v = copy.copy(rv)
+            v.reads = self._reads.get(v.vid, 0)
+            if v.kind == SNAPSHOT:  # here the live external, not a copy (FollowPlan.eligible)
+                v.kind = EXTERNAL
+                snapshot_sids.add(v.sid)
+            tape.values.append(v)
+        for i in range(self._i):
+            op = copy.copy(ref.ops[i])
+            if i in self._args:
+                op.args, op.kwargs = self._args[i]
+            if op.rng is not None:
+                op.rng = self._rng[i]
+            op.time_s = None
+            tape.ops.append(op)
+        n_sids = 1 + max((v.sid for v in tape.values), default=-1)
+        tape.storage_nbytes = {s: ref.storage_nbytes[s] for s in range(n_sids)}
+        tape.external_sids = {s for s in ref.external_sids if s < n_sids} | snapshot_sids
+        values = tape.values
+        for r, vid, version in self._fids.values():
+            t = r()
+            if t is None:
+                continue
+            values[vid].version = version
+            self._ids[id(t)] = (r, vid)
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            self._storages[id(st)] = (weakref.ref(st), values[vid].sid)
+        for vid in self.held:
+            self._held_by_sid.setdefault(values[vid].sid, set()).add(vid)
+        for op in tape.ops:
+            for _, after in op.writes:
+                self._last_write[values[after].sid] = after
+        self._fids, self._reads, self._rng, self._args, self._held_versions = {}, {}, {}, {}, {}
 
     def _settle(self) -> None:
         """Reference the originals of the last op's held values strongly, now that autograd has
@@ -463,6 +824,10 @@ class Recorder(TorchDispatchMode):
         """Pack hook: block-produced values become handles; everything else is kept as is."""
         self._bypass = True
         try:
+            if self._plan is not None:
+                handle = self._follow_pack(t)
+                if handle is not None:
+                    return handle
             vid = self._lookup(t)
             if vid is None:
                 return AsIs(self.link, t)
@@ -483,15 +848,28 @@ class Recorder(TorchDispatchMode):
     def finalize(self) -> Recording:
         """Forward is done (call it outside the dispatch mode): hand over what backward needs."""
         self._settle()
+        plan = self._plan
+        if plan is not None and (self._i != len(plan.steps) or self._reads != plan.reads):
+            self._leave_follow()  # it stopped short, or autograd saved other values
+            plan = None
+        if plan is not None:
+            self.tape = plan.tape
         values = self.tape.values
-        last_versions = {v.sid: v.version for v in values}
+        if plan is not None:
+            self.followed = True
+            last_versions = plan.last_versions
+        else:
+            last_versions = {v.sid: v.version for v in values}
         for handle in self._saved:
             handle.settle(self.tape, last_versions)
         self._saved = []
         # Outside the mode a detach shares the original's version counter (invariant 7).
-        versions = {vid: (t.detach(), values[vid].version) for vid, t in self._originals.items()}
+        seen = self._held_versions if plan is not None else None
+        versions = {vid: (t.detach(), values[vid].version if seen is None else seen[vid])
+                    for vid, t in self._originals.items()}
         recording = Recording(self.block, self.tape, self.held, versions, self.owned_vids,
-                              self.debug_refs, self.link)
+                              self.debug_refs, self.link, self._rng, self._args, plan)
         self.held, self.debug_refs, self._originals = {}, None, {}
         self._ids, self._storages, self._held_by_sid, self._last_write = {}, {}, {}, {}
+        self._fids, self._plan = {}, None
         return recording

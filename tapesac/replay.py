@@ -115,46 +115,90 @@ def rebuildable(tape, vid: int) -> bool:
     return v.kind == PRODUCED and not v.free and tape.ops[v.op].keep_only is None
 
 
-class Replayer:
-    """Replay state of one recorded forward; lives exactly as long as its saved handles."""
 
-    def __init__(self, recording: "Recording") -> None:
-        tape = recording.tape
-        self.tape = tape
-        self.block = recording.block
-        self.owned_vids = recording.owned_vids
-        self.stats = None
-        """The block's stats dict, updated in place while replaying (set by the wrapper)."""
+class _ArgTemplate:
+    """A tape op's positional arguments as a list to copy, and where its tensors go."""
+
+    __slots__ = ("base", "refs", "lists")
+
+    def __init__(self, op: TapeOp) -> None:
+        self.base = list(op.args)
+        self.refs = tuple((pos, a.vid) for pos, a in enumerate(op.args) if type(a) is Ref)
+        self.lists = tuple((pos, tuple(a)) for pos, a in enumerate(op.args)
+                           if type(a) is list and any(type(x) is Ref for x in a))
+
+
+class ReplayProgram:
+    """What replaying one recording needs that depends only on its tape and which values it
+    holds: made once per recording, or once for every forward that follows one tape."""
+
+    __slots__ = ("reads", "closure_ops", "rc", "pinned", "kept", "templates")
+
+    def __init__(self, tape, held: dict[int, Tensor]) -> None:
         values = tape.values
-        held = recording.held
         reads = tape.read_vids()
+        self.reads = reads
+        """Values autograd saved for backward."""
         self.closure_ops = tape.producer_closure(reads, held)
-        """Ops replay runs when every kept value is available (the plan's recompute)."""
         rc: Counter[int] = Counter()
         for vid in reads:
             rc[vid] += values[vid].reads
         for i in self.closure_ops:
             for d in tape.ops[i].deps:
                 rc[d] += 1
+        self.rc = dict(rc)
+        """vid -> uses still to come in one backward pass (invariant 9)."""
         fixed = {vid for vid in held if not rebuildable(tape, vid)}
         # Invariant 9: a kept value may be dropped and asked for again, so pin what rebuilding
         # everything backward reads without any kept value needs.
         needed = set(reads)
         for i in tape.producer_closure(reads, fixed):
             needed.update(tape.ops[i].deps)
-        self.pinned: dict[int, Tensor] = {vid: held[vid] for vid in fixed if vid in needed}
+        self.pinned = tuple(vid for vid in held if vid in fixed and vid in needed)
+        self.kept = tuple(vid for vid in held if vid not in fixed and vid in rc)
+        self.templates: dict[int, _ArgTemplate] = {}
+        """op index -> argument template, made at the op's first replay."""
+
+
+class Replayer:
+    """Replay state of one recorded forward; lives exactly as long as its saved handles."""
+
+    def __init__(self, recording: "Recording", program: "ReplayProgram | None" = None) -> None:
+        """``program``: the recording's :class:`ReplayProgram` if the caller has made it."""
+        tape = recording.tape
+        self.tape = tape
+        self.block = recording.block
+        self.owned_vids = recording.owned_vids
+        self.stats = None
+        """The block's stats dict, updated in place while replaying (set by the wrapper)."""
+        held = recording.held
+        plan = recording.plan
+        if program is None and plan is not None:
+            program = plan.program
+        if program is None:
+            program = ReplayProgram(tape, held)
+            if plan is not None:
+                plan.program = program  # forwards that follow one plan hold the same values
+        self.program = program
+        self.closure_ops = program.closure_ops
+        """Ops replay runs when every kept value is available (the plan's recompute)."""
+        self.pinned: dict[int, Tensor] = {vid: held[vid] for vid in program.pinned}
         """Held values replay cannot rebuild (externals, snapshots, keep-only outputs, free views)."""
-        self.kept: dict[int, Tensor] = {vid: t for vid, t in held.items() if vid not in fixed and vid in rc}
+        self.kept: dict[int, Tensor] = {vid: held[vid] for vid in program.kept}
         """Held values replay could rebuild; kept by the policy and dropped at their last use, as
         the cache drops rebuilt ones."""
         self._versions = {vid: w for vid, w in recording.versions.items()
                           if vid in self.pinned or vid in self.kept}
         """vid -> (version carrier, version) of held values that alias outside tensors (inv. 11)."""
+        self._rng = recording.rng
+        self._args = recording.args
+        self._prepared: dict[int, _ArgTemplate] = program.templates
+        """Where this forward's generator states and constants differ from the tape's."""
         self.debug_refs = recording.debug_refs
         self.device = next(iter(held.values())).device if held else torch.device("cpu")
         """Where the block ran (for messages)."""
-        self._rc0 = dict(rc)
-        self.rc = dict(rc)
+        self._rc0 = program.rc
+        self.rc = dict(program.rc)
         self.cache: dict[int, Tensor] = dict(self.pinned)
         self.cache.update(self.kept)
         self._task: int | None = None
@@ -295,20 +339,43 @@ class Replayer:
                 to_run.add(v.op)
                 stack.extend(ops[v.op].deps)
         order = sorted(to_run)
-        pending: Counter[int] = Counter()
+        pending: dict[int, int] = {}
+        """vid -> reads by ops of this chain that have not run."""
+        get = pending.get
         for i in order:
-            pending.update(ops[i].deps)
+            for d in ops[i].deps:
+                pending[d] = get(d, 0) + 1
+        prepared = self._prepared
+        args_over = self._args
         with _replay_mode():
             for i in order:
-                self._run(ops[i], local, pending, vid)
+                op = ops[i]
+                if op.writes or op.rng is not None or i in args_over:
+                    self._run(i, op, local, pending, vid)
+                    continue
+                # The common op (no write, no generator, the tape's constants): arguments from a
+                # template made once per tape op.
+                prep = prepared.get(i)
+                if prep is None:
+                    prep = prepared[i] = _ArgTemplate(op)
+                args = prep.base.copy()
+                for pos, d in prep.refs:
+                    args[pos] = local[d]
+                for pos, items in prep.lists:
+                    args[pos] = [local[x.vid] if type(x) is Ref else x for x in items]
+                kwargs = {k: _resolve(a, local.__getitem__) for k, a in op.kwargs.items()} if op.kwargs else {}
+                for d in op.deps:
+                    pending[d] -= 1
+                self._finish_op(op, op.func(*args, **kwargs), None, local, pending, vid)
         return local[vid]
 
-    def _run(self, op: TapeOp, local: dict[int, Tensor], pending: Counter, target: int) -> None:
-        """Run one op of an unpack's chain; ``local`` holds this chain's values still to be read."""
-        cache = self.cache
+    def _run(self, i: int, op: TapeOp, local: dict[int, Tensor], pending: dict[int, int], target: int) -> None:
+        """Run one op of an unpack's chain that writes, draws random numbers or has this forward's
+        own constants; ``local`` holds this chain's values still to be read."""
         lookup = local.__getitem__
-        args = [_resolve(a, lookup) for a in op.args]
-        kwargs = {k: _resolve(a, lookup) for k, a in op.kwargs.items()} if op.kwargs else {}
+        op_args, op_kwargs = self._args[i] if i in self._args else (op.args, op.kwargs)
+        args = [_resolve(a, lookup) for a in op_args]
+        kwargs = {k: _resolve(a, lookup) for k, a in op_kwargs.items()} if op_kwargs else {}
         for d in op.deps:
             pending[d] -= 1
         stats = self.stats
@@ -331,8 +398,9 @@ class Replayer:
                 self._drop(before)
             write_out[after] = t
 
-        if op.rng is not None:
-            gen, state = op.rng
+        rng = self._rng.get(i, op.rng) if op.rng is not None else None
+        if rng is not None:
+            gen, state = rng
             current = gen.get_state()
             gen.set_state(state)
             try:
@@ -341,23 +409,29 @@ class Replayer:
                 gen.set_state(current)
         else:
             out = op.func(*args, **kwargs)
+        self._finish_op(op, out, write_out, local, pending, target)
 
-        flat = flatten_outputs(out)
+    def _finish_op(self, op: TapeOp, out: Any, write_out: dict[int, Tensor], local: dict[int, Tensor],
+                   pending: dict[int, int], target: int) -> None:
+        """Keep what a replayed op made while it is needed; let go of what it was the last to read."""
+        cache = self.cache
         rc = self.rc
+        pinned = self.pinned
+        stats = self.stats
         if stats is not None:
             stats["ops_replayed"] += 1
             stats["recomputed_bytes"] += op.alloc_bytes  # the same op allocated as much in the forward
+        flat = out if type(out) is Tensor else flatten_outputs(out)
         for slot, vid in enumerate(op.outs):
             if vid is None:
                 continue
-            t = write_out.get(vid)
+            t = write_out.get(vid) if write_out else None
             if t is None:
-                t = flat[slot]
-            if pending[vid] > 0 or vid == target:
+                t = flat if type(flat) is Tensor else flat[slot]
+            if pending.get(vid, 0) > 0 or vid == target:
                 local[vid] = t
-            if rc.get(vid, 0) > 0 and vid not in self.pinned:
+            if rc.get(vid, 0) > 0 and vid not in pinned:
                 cache[vid] = t
-        pinned = self.pinned
         for d in op.deps:
             n = rc.get(d, 0) - 1
             rc[d] = n
@@ -366,9 +440,9 @@ class Replayer:
             if pending[d] <= 0 and d != target:
                 local.pop(d, None)
 
-    def _shared(self, vid: int, t: Tensor, local: dict, pending: Counter) -> bool:
+    def _shared(self, vid: int, t: Tensor, local: dict, pending: dict[int, int]) -> bool:
         """Invariant 10: would writing ``t`` in place clobber something still needed?"""
-        if vid in self.pinned or vid in self.kept or self.rc.get(vid, 0) > 1 or pending[vid] > 0:
+        if vid in self.pinned or vid in self.kept or self.rc.get(vid, 0) > 1 or pending.get(vid, 0) > 0:
             return True
         ptr = _storage_ptr(t)
         for other in (self.cache, local):

@@ -861,6 +861,21 @@ def _loop_keep_set(run: _Run) -> None:
     _STEP2[step2](run, "s2:", 0 if same_input else 10)
 
 
+_REPEATABLE = sorted(set(_STEP2) - {"mutate_output", "mutate_input"})
+"""Step loops that do not write saved tensors (those end a program at its first step)."""
+
+
+def _loop_repeat(run: _Run) -> None:
+    """Four steps, each a random loop on new inputs: from a block's third forward on, forwards
+    follow its verified tape instead of recording it (``FollowPlan``)."""
+    loops = [run.rng.choice(_REPEATABLE) for _ in range(4)]
+    run.notes.append("steps: " + ", ".join(loops))
+    for k, name in enumerate(loops):
+        torch.manual_seed(run.seed + k)
+        _STEP2[name](run, f"s{k}:", 10 * k)
+        run.zero()
+
+
 LOOPS: dict[str, Callable[[_Run], None]] = {
     "single": _loop_single,
     "accum": _loop_accum,
@@ -872,6 +887,7 @@ LOOPS: dict[str, Callable[[_Run], None]] = {
     "view_input": _loop_view_input,
     "double_backward": _loop_double_backward,
     "keep_set": _loop_keep_set,
+    "repeat": _loop_repeat,
 }
 """Loop shape name -> what the caller does in one run. Seed ``s`` runs ``default_loop(s)``."""
 

@@ -119,3 +119,17 @@ def test_pipeline_parallel_with_torchtitans_split_is_accepted():
         cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug_cpu.toml"),
                                           "--parallelism.pipeline_parallel_schedule", schedule])
         converter.validate(cfg, SimpleNamespace(cp_enabled=False, pp_enabled=True))
+
+
+def test_the_torchtitan_0_3_front_door_refuses_this_torchtitan_in_one_line():
+    import subprocess
+    import sys
+
+    import torchtitan
+
+    out = subprocess.run([sys.executable, "-c", "import torchtitan03_ext"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"[tapesac] error: TapeSAC: torchtitan {torchtitan.__version__} is installed, "
+                                  "but torchtitan03_ext supports torchtitan 0.3.x: use torchtitan_ext instead "
+                                  "(see the README)")

@@ -206,17 +206,17 @@ def test_debug_mode_catches_a_nondeterministic_replay(monkeypatch):
     handle = tapesac.wrap(case.blocks, debug=True)
     import tapesac.replay as replay
 
-    real = replay.Replayer._run
+    real = replay.Replayer._finish_op
 
-    def corrupt(self, op, local, pending, target):
-        real(self, op, local, pending, target)
+    def corrupt(self, op, out, write_out, local, pending, target):
+        real(self, op, out, write_out, local, pending, target)
         for vid in op.outs:
             if vid is not None and vid in local:
                 local[vid] = local[vid] + 1e-3
                 if vid in self.cache:
                     self.cache[vid] = local[vid]
 
-    monkeypatch.setattr(replay.Replayer, "_run", corrupt)
+    monkeypatch.setattr(replay.Replayer, "_finish_op", corrupt)
     with pytest.raises(tapesac.ReplayError, match="differs from the forward"):
         grads(case)
     handle.remove()

@@ -1,8 +1,10 @@
 """TapeSAC for torchtitan 0.2.x: the ``tapesac`` model converter, the ``[tapesac]`` config
-section (``torchtitan_ext.config``), an offline dataset and tokenizer, and a CPU shim.
+section (``torchtitan_ext.config``), an offline dataset and tokenizer, and a CPU shim. For
+torchtitan 0.3.x, see ``torchtitan03_ext``; what both share is ``torchtitan_common``.
 
-Importing this package registers the converter and the ``tapesac_text`` dataset, and, on a
-machine without CUDA, points torchtitan at the CPU.
+Importing this package checks torchtitan's version (a clear error for any other than 0.2.x),
+registers the converter and the ``tapesac_text`` dataset, and, on a machine without CUDA, points
+torchtitan at the CPU.
 """
 
 from __future__ import annotations
@@ -46,9 +48,13 @@ def _register_flavors() -> None:
 
 
 def _setup() -> None:
-    from . import converter, cpu_shim, errors
+    from torchtitan_common import errors
+    from torchtitan_common.versions import require
 
     errors.install()
+    require("torchtitan_ext")
+    from . import converter, cpu_shim
+
     cpu_shim.install()
     converter.register()
     _register_dataset()

@@ -1,4 +1,4 @@
-"""The ``[tapesac]`` section of a torchtitan job, merged in with ``job.custom_config_module``.
+"""The ``[tapesac]`` section of a torchtitan 0.2.x job, merged in with ``job.custom_config_module``.
 
     [job]
     custom_config_module = "torchtitan_ext.config"
@@ -12,89 +12,25 @@
     [tapesac]
     budget = 0.9
 
-Every field can be overridden on the command line, e.g. ``--tapesac.budget 0.85``.
+Every field can be overridden on the command line, e.g. ``--tapesac.budget 0.85``. The fields,
+their defaults and their checks are defined once, in ``torchtitan_common.settings`` (shared with
+the torchtitan 0.3 front door, ``torchtitan03_ext``).
 """
 
 # No "from __future__ import annotations": torchtitan's config merge needs real types here.
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torchtitan_ext  # noqa: F401  (registers the converter, the dataset, the CPU shim)
-from tapesac.autoplan import PlanConfig, check_settings
-from tapesac.errors import ConfigError
+from torchtitan_common.settings import TapeSACSettings
 
 
-# The fields shared with the eager API take PlanConfig's defaults and validation: one definition.
-_PLAN = PlanConfig
-
-
-@dataclass
-class TapeSAC:
-    mode: Literal["plan", "replay_only"] = "plan"
-    """'plan': profile the first steps, then keep what pays most under the memory limit.
-    'replay_only': keep nothing a block produces (the memory of full activation checkpointing)
-    and recompute only what backward reads."""
-
-    budget: float = 0.9
-    """Fraction of device memory the step peak may use, in (0, 1]."""
-
-    limit_gib: float = 0.0
-    """Absolute step-peak limit in GiB; when > 0 it overrides ``budget``."""
-
-    safety_margin: float = _PLAN.safety_margin
-    """Fraction of the limit the plan leaves unused, for memory a profiled step cannot show
-    (allocations outside the blocks' window, data-dependent sizes such as MoE routing)."""
-
-    cpu_capacity_gib: float = 0.0
-    """Device capacity assumed on CPU, where no allocator reports one, in GiB. 0: physical memory
-    divided by the ranks on this node."""
-
-    warmup_steps: int = _PLAN.warmup_steps
-    """Replay-only optimizer steps before the first profile (the first one allocates optimizer
-    state once)."""
-
-    profile_steps: int = _PLAN.profile_steps
-    """Accepted for compatibility (>= 1): one step is profiled per step shape, every op timed
-    ``profile_repeats`` times and memory traced."""
-
-    profile_repeats: int = _PLAN.repeats
-    """Runs per op when timing it (median)."""
-
-    timing_reduction: Literal["max", "mean", "median"] = _PLAN.timing_reduction
-    """How per-op times are combined across ranks before rank 0 plans."""
-
-    solver_time_limit_s: float = _PLAN.solver_time_limit_s
-    """Time limit of the allocation MILP, in seconds (a greedy plan is always available)."""
-
-    policy_file: str = ""
-    """Policy to load when it matches this job (skipping profiling) and to save after planning.
-    Empty: ``<job.dump_folder>/tapesac/policy.json``; "none": never load or save."""
-
-    frontier_file: str = ""
-    """Where to write the step frontier (JSON, plus a PNG next to it). Empty:
-    ``<job.dump_folder>/tapesac/frontier.json``; "none": do not write it."""
-
-    verify: bool = _PLAN.verify
-    """Measure the first step under each plan; if its peak exceeds the limit, re-plan tighter."""
-
-    debug: bool = False
-    """Compare every recomputed value with the forward's and fail on any difference (slow)."""
+@dataclass(kw_only=True)
+class TapeSAC(TapeSACSettings):
+    """The ``[tapesac]`` section (fields and their docs: ``TapeSACSettings``)."""
 
     def __post_init__(self) -> None:
         """Every value is checked here, when the config is parsed: before any work, once."""
-        if self.mode not in ("plan", "replay_only"):
-            raise ConfigError(f"tapesac.mode must be 'plan' or 'replay_only', got {self.mode!r}")
-        budget = self.budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-            raise ConfigError(f"tapesac.budget must be in (0, 1] (a fraction of device memory), got {budget!r}")
-        for name in ("limit_gib", "cpu_capacity_gib"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ConfigError(f"tapesac.{name} must be >= 0 and finite, got {value!r}")
-        check_settings(self, {f: f"tapesac.{f}" for f in _SHARED} | {"repeats": "tapesac.profile_repeats"})
-
-
-_SHARED = ("safety_margin", "warmup_steps", "profile_steps", "solver_time_limit_s", "timing_reduction")
+        self.check()
 
 
 @dataclass

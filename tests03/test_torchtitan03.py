@@ -1,0 +1,123 @@
+"""TapeSAC on torchtitan 0.3.x: real torchrun jobs (two CPU ranks, FSDP2 over gloo), compared to
+the bit with the same job without activation checkpointing. Runs in the torchtitan 0.3
+virtualenv (``scripts/setup03.sh``); skipped elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torchtitan = pytest.importorskip("torchtitan")
+if not torchtitan.__version__.startswith("0.3."):
+    pytest.skip(f"torchtitan {torchtitan.__version__}: these tests need 0.3.x", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ("--module", "torchtitan03_ext", "--config", "llama3_debug_cpu")
+STEPS = 5
+TIGHT_LIMIT_GIB = 0.075
+"""77 MiB per rank: near the bottom of the debug job's step frontier (about 69 MiB with
+everything recomputed, 117 MiB with everything kept), so the plan keeps little, but something."""
+
+
+def run_titan(tmp: Path, name: str, *args: str, nproc: int = 2, steps: int = STEPS):
+    probe = tmp / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "tests03.titan_probe", *JOB, "--dump_folder", str(tmp / f"{name}_dump"),
+           "--training.steps", str(steps), *args]
+    env = {**os.environ, "TAPESAC_PROBE": str(probe), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    records = []
+    for r in range(nproc):
+        path = Path(f"{probe}.rank{r}.json")
+        records.append(json.loads(path.read_text()) if path.exists() else None)
+    return out, records
+
+
+def _ok(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
+def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp_path):
+    out, base = run_titan(tmp_path, "none", "activation-checkpoint:none")
+    _ok(out)
+    assert len(base[0]["losses"]) == STEPS and "policy" not in base[0]
+
+    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac",
+                             "--activation-checkpoint.limit_gib", str(TIGHT_LIMIT_GIB))
+    _ok(out)
+    assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
+    r0, r1 = records
+    assert r0["planned"] and r1["planned"]
+    assert r0["policy"] == r1["policy"]  # rank 0 planned, every rank applies its plan
+    assert any(keep for _i, keep, _s in r0["policy"])  # the tight limit still leaves room to keep
+    assert r0["history"], "the first planned step was not measured"
+    for step in r0["history"]:
+        assert step["measured_peak_bytes"] <= TIGHT_LIMIT_GIB * 2**30
+    log = out.stdout + out.stderr
+    assert "TapeSAC plan: limit 76.8 MiB" in log and "TapeSAC [planned]: limit 76.8 MiB" in log
+    policy = json.loads((tmp_path / "tapesac_dump" / "tapesac" / "policy.json").read_text())
+    assert policy["meta"]["world_size"] == 2 and policy["meta"]["model"] == "llama3/debugmodel"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["activation-checkpoint:tapesac", "--activation-checkpoint.budget", "1.5"],
+     "activation_checkpoint.budget must be in (0, 1]"),
+    (["activation-checkpoint:tapesac", "--activation-checkpoint.profile_steps", "0"],
+     "activation_checkpoint.profile_steps must be an integer >= 1"),
+    (["--compile.enable"], "TapeSAC records them eagerly"),
+    (["--training.no-disable-cuda-graphs"], "set --training.disable_cuda_graphs"),
+    (["--parallelism.spmd_backend", "spmd_types"], "set --parallelism.spmd_backend partial_dtensor"),
+])
+def test_bad_settings_fail_before_training(tmp_path, args, message):
+    out, records = run_titan(tmp_path, "bad", *args, steps=2)
+    assert out.returncode != 0
+    log = out.stdout + out.stderr
+    lines = [line for line in log.splitlines() if line.startswith("[tapesac] error:")]
+    assert len(lines) == 1 and message in lines[0], log[-4000:]  # one line, from rank 0
+    assert "exitcode  : 2" in log
+    assert 'File "' + str(ROOT / "tapesac") not in log  # no traceback through TapeSAC
+    assert records == [None, None]  # no rank got to train
+
+
+def test_the_command_line_chooses_tapesac_whose_fields_and_defaults_are_the_0_2_sections():
+    import dataclasses
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from torchtitan03_ext import TapeSAC
+    from torchtitan_common.settings import TapeSACSettings
+
+    cfg = ConfigManager().parse_args([*JOB, "activation-checkpoint:tapesac", "--activation-checkpoint.budget", "0.85"])
+    assert isinstance(cfg.activation_checkpoint, TapeSAC.Config) and cfg.activation_checkpoint.budget == 0.85
+    assert cfg.activation_checkpoint.model_name == "llama3/debugmodel"
+    # torchtitan's own choices stay available on the same job.
+    assert isinstance(ConfigManager().parse_args([*JOB, "activation-checkpoint:selective"]).activation_checkpoint,
+                      SelectiveAC.Config)
+    ours = {f.name: f.default for f in dataclasses.fields(TapeSAC.Config)}
+    shared = {f.name: f.default for f in dataclasses.fields(TapeSACSettings)}
+    assert {name: ours[name] for name in shared} == shared
+
+
+def test_the_8b_config_chooses_tapesac_without_cuda_graphs():
+    from torchtitan03_ext import TapeSAC, Trainer
+    from torchtitan03_ext.config_registry import llama3_8b
+
+    cfg = llama3_8b()
+    assert isinstance(cfg, Trainer.Config) and isinstance(cfg.activation_checkpoint, TapeSAC.Config)
+    assert (cfg.model_spec.name, cfg.model_spec.flavor) == ("llama3", "8B")
+    assert cfg.training.disable_cuda_graphs and cfg.training.seq_len == 8192
+
+
+def test_the_0_2_front_door_refuses_torchtitan_0_3_in_one_line():
+    out = subprocess.run([sys.executable, "-c", "import torchtitan_ext"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"[tapesac] error: TapeSAC: torchtitan {torchtitan.__version__} is installed, "
+                                  "but torchtitan_ext supports torchtitan 0.2.x: use torchtitan03_ext instead "
+                                  "(see the README)")

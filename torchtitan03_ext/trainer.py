@@ -1,0 +1,99 @@
+"""torchtitan 0.3.x's trainer with ``tapesac`` among the activation-checkpointing choices.
+
+torchtitan's ``Trainer.Config.activation_checkpoint`` is a closed union of tyro subcommands
+(``selective``, ``full``, ``memory-budget``, ``none``): the command line can only choose what the
+config class declares. :class:`Trainer` declares the same union plus ``tapesac``; a config
+function that returns a :class:`Trainer.Config` (every function in
+``torchtitan03_ext.config_registry``, or :func:`with_tapesac` around any of torchtitan's) makes
+``activation-checkpoint:tapesac`` a choice on the command line. Nothing global is changed:
+jobs built from torchtitan's own ``Trainer.Config`` are untouched.
+"""
+
+# No "from __future__ import annotations": tyro needs real types here.
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
+from torchtitan import trainer as tt_trainer
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig as TorchtitanAC
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+from tapesac.errors import ConfigError
+from torchtitan_common.errors import exit_with
+from torchtitan_common.run import TapeSACRun, report_with_step_log
+
+from .activation_checkpoint import TapeSAC, active, take_applied
+
+ActivationCheckpointingConfig = TorchtitanAC | Annotated[TapeSAC.Config, tyro.conf.subcommand("tapesac")]
+"""torchtitan's choices plus ``activation-checkpoint:tapesac``."""
+
+
+def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
+    """Refuse what TapeSAC cannot run with (ConfigError naming the setting and the fix).
+
+    ``spmd_backend``: torchtitan 0.3's default, ``spmd_types``, needs FSDP2 that reads
+    ``spmd_types`` annotations (torch >= 2.14; torch 2.13's ``fully_shard`` refuses its plain
+    parameters) and is untested with TapeSAC; under ``full_dtensor`` the blocks' activations are
+    DTensors and a planned step fails in replay (``aten.set_`` has no DTensor sharding strategy).
+    """
+    if config.compile.enable and "model" in config.compile.components:
+        raise ConfigError(
+            "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
+            "drop --compile.enable, or compile only the loss (--compile.components loss)")
+    if not config.training.disable_cuda_graphs:
+        raise ConfigError(
+            "CUDA graphs replay a captured step without Python, but TapeSAC records, measures and "
+            "plans each step in Python: set --training.disable_cuda_graphs (on CPU it is a no-op)")
+    if config.parallelism.spmd_backend != "partial_dtensor":
+        raise ConfigError(
+            f"parallelism.spmd_backend is '{config.parallelism.spmd_backend}', but TapeSAC runs with "
+            "'partial_dtensor' only (DTensor for model-parallel axes, as in torchtitan 0.2): set "
+            "--parallelism.spmd_backend partial_dtensor")
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
+                          "--parallelism.pipeline_parallel_degree 1")
+
+
+class Trainer(tt_trainer.Trainer):
+    """torchtitan's trainer; with ``activation-checkpoint:tapesac`` it also reports TapeSAC's
+    numbers in torchtitan's metrics and a line under each step's log line (rank 0)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(tt_trainer.Trainer.Config):
+        activation_checkpoint: ActivationCheckpointingConfig = field(default_factory=SelectiveAC.Config)
+
+        def __post_init__(self) -> None:
+            # Explicit base: slots=True rebuilds the class, which breaks zero-argument super().
+            tt_trainer.Trainer.Config.__post_init__(self)
+            ac = self.activation_checkpoint
+            if isinstance(ac, TapeSAC.Config):
+                check_neighbours(self)
+                if self.model_spec is not None:
+                    ac.model_name = f"{self.model_spec.name}/{self.model_spec.flavor}"
+
+    def __init__(self, config: Config) -> None:
+        if isinstance(config.activation_checkpoint, TapeSAC.Config):
+            try:
+                check_neighbours(config)  # a config changed after parsing
+            except ConfigError as e:
+                exit_with(e)
+        super().__init__(config)
+        # The TapeSAC policy applied to this model in parallelize_fn (None with another choice).
+        self.tapesac = take_applied()
+        if self.tapesac is not None:
+            report_with_step_log(self.metrics_processor, _current_run)
+
+
+def _current_run() -> TapeSACRun | None:
+    policy = active()
+    return policy.run if policy is not None else None
+
+
+def with_tapesac(config: tt_trainer.Trainer.Config) -> Trainer.Config:
+    """``config`` (any torchtitan ``Trainer.Config``, e.g. ``llama3_8b()``) as this trainer's
+    config, so that ``activation-checkpoint:tapesac`` can be chosen on the command line. Its
+    fields are shared, not copied; choose TapeSAC by setting ``activation_checkpoint`` to a
+    ``TapeSAC.Config`` (checked with the rest when the command line is parsed)."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return Trainer.Config(**values)
