@@ -96,6 +96,14 @@ def test_pipeline_parallel_planned_per_stage_at_a_tight_limit(tmp_path, pp2_base
     names = {p.name for p in (dump / "tapesac").glob("policy*.json")}
     assert names == ({"policy.pp0+2.json", "policy.pp1+3.json"} if schedule == "Interleaved1F1B"
                      else {"policy.pp0.json", "policy.pp1.json"})
+    if schedule == "1F1B":  # a restart loads each stage's own policy: no profiling, same losses
+        out, again = run_titan(tmp_path, "again", LLAMA, *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
+                               "--tapesac.limit_gib", str(limit_gib), dump=dump, steps=STEPS)
+        _ok(out)
+        log = out.stdout + out.stderr
+        assert log.count("loaded policy") == 2 and "TapeSAC plan:" not in log
+        assert _losses(again) == pp2_baselines[schedule]
+        assert [r["policy"] for r in again] == [r["policy"] for r in records]
 
 
 def test_fsdp_with_pipeline_parallel_on_four_ranks_plans_per_stage_group(tmp_path):
