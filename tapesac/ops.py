@@ -54,6 +54,8 @@ class OpInfo:
     """For a view op (every return aliases one argument without writing it): that argument's
     position. Autograd gives the views it returns that argument's version counter, after the
     dispatcher has returned them."""
+    collective: bool = False
+    """The op's namespace is one of :data:`COLLECTIVE_NAMESPACES`: it talks to other ranks."""
 
 
 _CACHE: dict[Any, OpInfo] = {}
@@ -71,7 +73,8 @@ def _analyse(func: Any) -> OpInfo:
     schema = getattr(func, "_schema", None)
     name = str(func)
     if schema is None:
-        return OpInfo(name, (), False, False, False, "not an ATen overload: cannot be replayed")
+        return OpInfo(name, (), False, False, False, "not an ATen overload: cannot be replayed",
+                      collective=getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES)
     writes = [
         (i, a.name, True)
         for i, a in enumerate(schema.arguments)
@@ -96,6 +99,7 @@ def _analyse(func: Any) -> OpInfo:
         index_like=schema.name in _INDEX_OPS,
         returns_tensor=any("Tensor" in str(r.type) for r in schema.returns),
         view_of=_view_of(schema),
+        collective=namespace in COLLECTIVE_NAMESPACES,
     )
 
 
@@ -135,6 +139,27 @@ def keep_only_reason(info: OpInfo, args: tuple) -> str | None:
     if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
         return info.keep_only
     return None
+
+
+def may_communicate(info: OpInfo, args: tuple, kwargs: dict) -> bool:
+    """Whether running this call may talk to other ranks: a collective, or an op on a tensor
+    subclass (a DTensor redistributes inside its own dispatch, below any mode that records it;
+    an ``AsyncCollectiveTensor`` waits on a collective). Decided from the op and the argument
+    types alone, which are the same on every rank of an SPMD program."""
+    if info.collective:
+        return True
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            if any(_is_subclass(x) for x in a):
+                return True
+        elif _is_subclass(a):
+            return True
+    return False
+
+
+def _is_subclass(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) and (
+        torch._C._dispatch_keys(a).has(torch._C.DispatchKey.Python))
 
 
 def written_tensors(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:

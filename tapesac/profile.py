@@ -4,6 +4,11 @@ Times are taken inline while recording: each op that writes nothing runs ``repea
 (random ops with their generator state restored before every run) and the median is kept; the
 device is synchronised around each run (CUDA) so the time is the op's, not the queue's. The last
 run is the real one, so the forward computes exactly what it would without profiling.
+
+An op that may communicate (a collective, or any op on a DTensor, which can redistribute inside
+its own dispatch) runs exactly once, on every rank alike (:func:`~tapesac.ops.may_communicate`
+decides from the op and the argument types): repeating it would send its data again, hold the
+repeats' buffers in the measured memory trace, and time the wait for the slowest rank.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .ops import may_communicate, op_info
 from .planner.graph import BlockGraph
 from .tape import EXTERNAL, PRODUCED, Tape
 
@@ -29,10 +35,13 @@ class OpTimer:
 
     def call(self, func: Any, args: tuple, kwargs: dict, can_repeat: bool,
              rng: tuple[Any, torch.Tensor] | None) -> tuple[Any, float]:
-        """Run ``func`` (the last run is the real one); return its result and median time in s."""
+        """Run ``func`` (the last run is the real one); return its result and median time in s.
+
+        ``can_repeat`` is false for ops that write their arguments; ops that may communicate are
+        never repeated either."""
         sync = self.sync
         times = []
-        if can_repeat:
+        if can_repeat and self.repeats > 1 and not may_communicate(op_info(func), args, kwargs):
             for _ in range(self.repeats - 1):
                 if rng is not None:
                     rng[0].set_state(rng[1])

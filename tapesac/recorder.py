@@ -109,6 +109,9 @@ def version_carrier(t: Tensor) -> Tensor:
     """An empty tensor sharing ``t``'s version counter (call it outside the dispatch mode)."""
     carrier = t.detach()
     version = carrier._version
+    if hasattr(carrier, "_local_tensor"):  # a DTensor (no ``set_``): drop its shard instead
+        carrier._local_tensor = carrier._local_tensor.new_empty(0)
+        return carrier
     carrier.set_()  # drops the storage, and bumps the shared counter: put it back
     torch._C._autograd._unsafe_set_version_counter((carrier,), (version,))
     return carrier

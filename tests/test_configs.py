@@ -30,6 +30,9 @@ def test_there_are_cpu_debug_and_gpu_jobs():
     names = {p.name for p in CONFIGS}
     assert {"llama3_debug_cpu.toml", "qwen3_debug_cpu.toml", "qwen3_moe_debug_cpu.toml"} <= names
     assert {"llama3_8b.toml", "qwen3_8b.toml", "qwen3_30b_a3b.toml"} <= names
+    parallel = {"llama3_tp2_debug_cpu.toml", "llama3_fsdp2_tp2_debug_cpu.toml", "llama3_pp2_debug_cpu.toml",
+                "qwen3_moe_ep2_debug_cpu.toml", "qwen3_moe_ep2_debug_cpu_baseline.toml", "llama3_70b.toml"}
+    assert parallel <= names
 
 
 def test_toml_section_and_eager_plan_config_share_defaults():
@@ -74,6 +77,48 @@ def test_eager_plan_config_uses_the_same_checks():
         PlanConfig(memory_limit_bytes=10, safety_margin=2.0)
     with pytest.raises(tapesac.ConfigError, match="memory_limit_bytes must be a positive number"):
         PlanConfig(memory_limit_bytes=0)
+
+
+@pytest.mark.parametrize("overrides, dims, message", [
+    (["--parallelism.context_parallel_degree", "2"], {"cp_enabled": True},
+     "set parallelism.context_parallel_degree = 1"),
+    (["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"], {"pp_enabled": True},
+     "set parallelism.pipeline_parallel_schedule to one of those"),
+    (["--parallelism.pipeline_parallel_schedule_csv", "schedule.csv"], {"pp_enabled": True},
+     "pipeline_parallel_schedule_csv = 'schedule.csv' is not one of them"),
+    ([], {"pp_enabled": True, "custom_split": True}, "splits its pipeline stages with its own"),
+])
+def test_parallelisms_tapesac_cannot_run_are_refused_with_the_setting_to_change(monkeypatch, overrides, dims, message):
+    from types import SimpleNamespace
+
+    import tapesac
+    import torchtitan_ext  # noqa: F401
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext import converter
+
+    if dims.pop("custom_split", False):
+        monkeypatch.setattr(converter, "_pipelining_fn", lambda name: (lambda *a: None))
+    cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug_cpu.toml"),
+                                      *overrides])
+    parallel_dims = SimpleNamespace(**{"cp_enabled": False, "pp_enabled": False, **dims})
+    with pytest.raises(tapesac.ConfigError) as e:
+        converter.validate(cfg, parallel_dims)
+    assert message in str(e.value)
+
+
+def test_pipeline_parallel_with_torchtitans_split_is_accepted():
+    from types import SimpleNamespace
+
+    import torchtitan_ext  # noqa: F401
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext import converter
+
+    for schedule in converter.PP_SCHEDULES:
+        cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug_cpu.toml"),
+                                          "--parallelism.pipeline_parallel_schedule", schedule])
+        converter.validate(cfg, SimpleNamespace(cp_enabled=False, pp_enabled=True))
 
 
 def test_the_torchtitan_0_3_front_door_refuses_this_torchtitan_in_one_line():

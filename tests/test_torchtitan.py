@@ -174,6 +174,9 @@ def test_two_nodes_on_loopback_match_baseline(tmp_path, baseline, planned_limit_
     (["--activation_checkpoint.mode", "full"], "TapeSAC replaces activation checkpointing"),
     (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode = \"none\""),
     (["--compile.enable"], "set compile.enable = false"),
+    (["--parallelism.context_parallel_degree", "2"], "set parallelism.context_parallel_degree = 1"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "set parallelism.pipeline_parallel_schedule to one of those"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, overrides, message):
     out, records = run_titan(tmp_path, "bad", CONFIG, *overrides, nproc=2, steps=2)

@@ -19,9 +19,11 @@ EXIT_STATUS = 2
 _OTHER_RANKS_WAIT_S = 10.0
 
 
-def _say(error: BaseException) -> None:
-    """Rank 0 prints; the others give it time to (torchrun stops every rank once one exits)."""
-    if os.environ.get("RANK", "0") == "0":
+def _say(error: BaseException, speaker: int = 0) -> None:
+    """Rank ``speaker`` prints; the others give it time to (torchrun stops every rank once one
+    exits). Ranks that meet an error together name one of them (rank 0 for the whole job, the
+    first rank of a pipeline stage for that stage's plan)."""
+    if os.environ.get("RANK", "0") == str(speaker):
         text = str(error)
         prefix = "" if text.startswith("TapeSAC") else "TapeSAC: "
         print(f"[tapesac] error: {prefix}{text}", file=sys.stderr, flush=True)
@@ -38,9 +40,9 @@ class TapeSACExit(SystemExit):
         self.error = error
 
 
-def exit_with(error: TapeSACError) -> NoReturn:
-    """Print ``error`` once and end this rank (every rank meets the same error)."""
-    _say(error)
+def exit_with(error: TapeSACError, speaker: int = 0) -> NoReturn:
+    """Print ``error`` once and end this rank (every rank with ``speaker`` meets the same error)."""
+    _say(error, speaker)
     sys.stdout.flush()
     raise TapeSACExit(error)
 

@@ -7,6 +7,11 @@ block's ``forward`` by an instance attribute and touches no parameter, so it sur
 forward runs nested inside FSDP2's pre/post-forward hooks, with the parameters unsharded, and
 replay happens inside each block's own backward after FSDP2 has gathered the parameters again;
 no module hook runs twice. Rank 0 plans and broadcasts (``tapesac.distributed``).
+
+Under pipeline parallelism a rank wraps the blocks of its own stages (:class:`PipelineStage`):
+the ranks that hold the same stages plan together (planned mode's collectives run in their
+group), each stage writes its own policy and frontier files, and a stage's error is printed by
+that stage's first rank, naming the stage.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,8 @@ from tapesac.autoplan import PlanConfig
 from tapesac.report import fmt_bytes
 
 from . import cpu
+from tapesac.errors import TapeSACError
+
 from .errors import exit_with
 from .settings import TapeSACSettings
 
@@ -70,9 +78,9 @@ def limit_source(cfg: TapeSACSettings, device: torch.device, capacity: int) -> s
             f"so the 'device' is {what}, and the peak counted is the bytes of live tensor storages")
 
 
-def info(message: str) -> None:
-    """Rank 0 speaks for all ranks (they make the same decisions)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def info(message: str, speaker: int = 0) -> None:
+    """Rank ``speaker`` (0) speaks for all ranks (they make the same decisions)."""
+    if int(os.environ.get("RANK", "0")) == speaker:
         logger.info(message)
 
 
@@ -80,6 +88,44 @@ def _artifact(path: str, dump_folder: str, default: str) -> str | None:
     if path.lower() == "none":
         return None
     return path or str(Path(dump_folder) / "tapesac" / default)
+
+
+@dataclass
+class PipelineStage:
+    """The pipeline stages this rank holds, and the ranks that hold the same ones."""
+
+    name: str
+    """The stage indices, joined by ``+`` (``"0"``; ``"0+2"`` under looped schedules)."""
+    group: Any
+    """The process group of the ranks holding these stages: they plan together."""
+    first_rank: int
+    """The global rank that speaks for them."""
+
+    @classmethod
+    def of(cls, indices: Sequence[int]) -> PipelineStage:
+        """This rank's stages: one all-gather on the default group, then one group per distinct
+        set of stages (every rank creates every group, in the same order)."""
+        import torch.distributed as dist
+
+        mine = tuple(indices)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        holders: dict[tuple, list[int]] = {}
+        for rank, held in enumerate(everyone):
+            holders.setdefault(held, []).append(rank)
+        group, _all = dist.new_subgroups_by_enumeration(list(holders.values()))
+        return cls("+".join(map(str, mine)), group, holders[mine][0])
+
+    def file(self, path: str | None) -> str | None:
+        """``policy.json`` -> ``policy.pp0.json``: each stage's plan in its own file."""
+        if path is None:
+            return None
+        p = Path(path)
+        return str(p.with_name(f"{p.stem}.pp{self.name}{p.suffix}"))
+
+    def exit_with(self, error: TapeSACError) -> None:
+        """End this rank on an error of this stage's planning, printed by the stage's first rank."""
+        exit_with(type(error)(f"pipeline stage {self.name}: {error}"), speaker=self.first_rank)
 
 
 class TapeSACRun:
@@ -91,32 +137,46 @@ class TapeSACRun:
         self.handle: tapesac.TapeSACHandle | None = None
         self.limit_bytes: int | None = None
 
-    def wrap(self, blocks: Sequence[nn.Module], *, model: nn.Module, dump_folder: str, model_name: str) -> None:
-        """Wrap ``blocks`` (on the meta model, before FSDP2) in the settings' mode."""
+    def wrap(self, blocks: Sequence[nn.Module], *, model: nn.Module | Sequence[nn.Module], dump_folder: str,
+             model_name: str, stage: PipelineStage | None = None) -> None:
+        """Wrap ``blocks`` (on the meta model, before FSDP2) in the settings' mode; ``model`` is
+        what holds them (a model, or a rank's pipeline stages, given as ``stage``)."""
         cfg = self.cfg
         dev = device()
+        where = f" of pipeline stage {stage.name}" if stage is not None else ""
+        speaker = stage.first_rank if stage is not None else 0
+        if not blocks:
+            info(f"TapeSAC: no transformer block{where}: nothing to wrap", speaker)
+            return
         if cfg.mode == "replay_only":
             self.handle = tapesac.wrap(blocks, debug=cfg.debug)
-            info(f"TapeSAC: replay-only on {len(blocks)} blocks: nothing a block makes is kept, "
-                 "backward recomputes only what it reads")
+            info(f"TapeSAC: replay-only on {len(blocks)} blocks{where}: nothing a block makes is kept, "
+                 "backward recomputes only what it reads", speaker)
             return
         limit, capacity = memory_limit_bytes(cfg, dev)
         self.limit_bytes = limit
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        meta = {"world_size": world, "model": model_name}
+        if stage is not None:
+            meta["pipeline_stage"] = stage.name
+        in_file = stage.file if stage is not None else (lambda path: path)
+        track = list(model) if isinstance(model, Sequence) else [model]
         plan = PlanConfig(
             memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
             repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
-            policy_path=_artifact(cfg.policy_file, dump_folder, "policy.json"),
-            frontier_path=_artifact(cfg.frontier_file, dump_folder, "frontier.json"),
-            device=dev, track=lambda: [model], fatal=exit_with,
-            policy_meta={"world_size": world, "model": model_name},
+            policy_path=in_file(_artifact(cfg.policy_file, dump_folder, "policy.json")),
+            frontier_path=in_file(_artifact(cfg.frontier_file, dump_folder, "frontier.json")),
+            device=dev, track=lambda: track,
+            fatal=stage.exit_with if stage is not None else exit_with,
+            process_group=stage.group if stage is not None else None,
+            policy_meta=meta,
         )
         self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
-        info(f"TapeSAC: planned mode on {len(blocks)} blocks, step-peak limit {fmt_bytes(limit)} "
-             f"({limit_source(cfg, dev, capacity)}); {cfg.warmup_steps} warm-up step(s) replay-only, "
-             "then one profiled step, then the plan")
+        info(f"TapeSAC: planned mode on {len(blocks)} blocks{where}, step-peak limit {fmt_bytes(limit)} "
+             f"per rank ({limit_source(cfg, dev, capacity)}); {cfg.warmup_steps} warm-up step(s) "
+             "replay-only, then one profiled step, then the plan", speaker)
 
     def metrics(self) -> dict[str, float]:
         """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B), this rank's."""

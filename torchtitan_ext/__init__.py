@@ -30,14 +30,21 @@ def _register_dataset() -> None:
 
 
 def _register_flavors() -> None:
-    """qwen3 ``debugmodel_untied``: the debug flavor without tied embeddings. torchtitan 0.2.2's
-    FSDP2 wrapping rejects the tied debugmodel on more than one rank."""
+    """qwen3 ``debugmodel_untied``: the debug flavor without tied embeddings (torchtitan 0.2.2's
+    FSDP2 wrapping rejects the tied debugmodel on more than one rank); ``debugmodel_moe_small``."""
     import dataclasses
 
     from torchtitan.models.qwen3 import qwen3_args
 
     if "debugmodel_untied" not in qwen3_args:
         qwen3_args["debugmodel_untied"] = dataclasses.replace(qwen3_args["debugmodel"], enable_weight_tying=False)
+    if "debugmodel_moe_small" not in qwen3_args:
+        # The MoE debug model with 8 experts (top 2) in 4 layers instead of 64 (top 8) in 8: an
+        # expert-parallel CPU step in seconds instead of half a minute, for tests and CPU jobs.
+        moe = qwen3_args["debugmodel_moe"]
+        qwen3_args["debugmodel_moe_small"] = dataclasses.replace(
+            moe, n_layers=4, moe_inter_dim=256,
+            moe_args=dataclasses.replace(moe.moe_args, num_experts=8, top_k=2))
 
 
 def _setup() -> None:

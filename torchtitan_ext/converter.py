@@ -1,15 +1,22 @@
 """The ``tapesac`` model converter of torchtitan 0.2.x: TapeSAC on every transformer block, under
-FSDP2.
+FSDP2, TP, EP and PP.
 
 torchtitan runs converters on the meta model, before parallelisation. The converter checks the
 job there (clear errors before any work) and wraps each block of ``model.layers`` (how that
 survives FSDP2, and what runs where: ``torchtitan_common.run``).
+
+Under pipeline parallelism the model is split into stages after the converters ran (each stage a
+deep copy of the whole meta model with the other stages' modules removed), so the converter
+wraps later: right after torchtitan's ``pipeline_module_split``, still on the meta model parts
+and before they are parallelised, all blocks of this rank's stages under one handle. Stages hold
+different blocks, so each stage plans on its own (``torchtitan_common.run.PipelineStage``).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any
 
 from torch import nn
@@ -17,7 +24,9 @@ from torch import nn
 import tapesac
 from tapesac.errors import ConfigError
 from torchtitan_common.errors import exit_with
-from torchtitan_common.run import Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
+from torchtitan_common.run import PipelineStage, Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
+
+from . import permutation
 
 __all__ = ["TapeSACConverter", "active", "memory_limit_bytes", "register", "validate"]
 
@@ -43,10 +52,53 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
             "set compile.enable = false, or compile only the loss (compile.components = [\"loss\"])"
         )
+    if parallel_dims is not None and getattr(parallel_dims, "cp_enabled", False):
+        # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
+        # ring collectives the recorder cannot replay per shard.
+        raise ConfigError(
+            f"TapeSAC does not support context parallelism (parallelism.context_parallel_degree = "
+            f"{job_config.parallelism.context_parallel_degree}): set parallelism.context_parallel_degree = 1 "
+            "(CLI: --parallelism.context_parallel_degree 1), or remove \"tapesac\" from model.converters"
+        )
     if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
-        raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
-                          "parallelism.pipeline_parallel_degree = 1")
+        par = job_config.parallelism
+        schedule = par.pipeline_parallel_schedule
+        if par.pipeline_parallel_schedule_csv or schedule.lower() not in {s.lower() for s in PP_SCHEDULES}:
+            what = (f"pipeline_parallel_schedule_csv = {par.pipeline_parallel_schedule_csv!r}"
+                    if par.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {schedule!r}")
+            raise ConfigError(
+                f"TapeSAC supports the pipeline schedules {', '.join(PP_SCHEDULES)}; parallelism.{what} "
+                "is not one of them (zero-bubble schedules split backward into input and weight passes, "
+                "which TapeSAC does not replay): set parallelism.pipeline_parallel_schedule to one of those"
+            )
+        split = _pipelining_fn(job_config.model.name)
+        if split is not None and not _is_pipeline_llm(split):
+            raise ConfigError(
+                f"model {job_config.model.name} splits its pipeline stages with its own "
+                f"{getattr(split, '__qualname__', split)}, and TapeSAC wraps the stages that torchtitan's "
+                "pipeline_llm makes: set parallelism.pipeline_parallel_degree = 1, or remove \"tapesac\" "
+                "from model.converters"
+            )
     return cfg
+
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""Pipeline schedules TapeSAC runs under: each micro-batch's backward is one autograd pass."""
+
+
+def _pipelining_fn(model_name: str) -> Any:
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        return get_train_spec(model_name).pipelining_fn
+    except Exception:  # noqa: BLE001 - an unknown model fails in torchtitan, with its own message
+        return None
+
+
+def _is_pipeline_llm(fn: Any) -> bool:
+    from torchtitan.distributed import pipeline_parallel
+
+    return fn is pipeline_parallel.pipeline_llm
 
 
 _CONVERTERS = Registry()
@@ -67,6 +119,9 @@ class TapeSACConverter:
             self.cfg = validate(job_config, parallel_dims)
         except ConfigError as e:
             exit_with(e)
+        if parallel_dims is not None and getattr(parallel_dims, "ep_enabled", False):
+            # The Triton permutation writes its indices where the recorder cannot see them.
+            permutation.install()
         self.run = TapeSACRun(self.cfg)
         _CONVERTERS.add(self)
         _report_metrics()
@@ -82,13 +137,22 @@ class TapeSACConverter:
     # ModelConverter protocol ----------------------------------------------------------------
 
     def convert(self, model: nn.Module) -> None:
-        """Wrap every transformer block (on the meta model; FSDP2 shards around the wrappers)."""
+        """Wrap every transformer block (on the meta model; FSDP2 shards around the wrappers).
+        Under pipeline parallelism, arrange to wrap this rank's stages once they exist."""
         if not hasattr(model, "layers"):
             raise ConfigError(f"TapeSAC wraps model.layers, and {type(model).__name__} has none")
-        blocks = [b for b in model.layers.values() if b is not None]
+        if self.parallel_dims is not None and self.parallel_dims.pp_enabled:
+            _wrap_after_pipeline_split(self)
+            return
+        self.wrap([model])
+
+    def wrap(self, parts: list[nn.Module], stage: PipelineStage | None = None) -> None:
+        """Wrap the blocks of ``parts`` (this rank's model, or its pipeline stages) in one handle."""
+        blocks = [b for m in parts if getattr(m, "layers", None) is not None
+                  for b in m.layers.values() if b is not None]
         job = self.job_config
-        self.run.wrap(blocks, model=model, dump_folder=job.job.dump_folder,
-                      model_name=f"{job.model.name}/{job.model.flavor}")
+        self.run.wrap(blocks, model=parts, dump_folder=job.job.dump_folder,
+                      model_name=f"{job.model.name}/{job.model.flavor}", stage=stage)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
@@ -98,6 +162,30 @@ class TapeSACConverter:
 
     def summary(self) -> str:
         return self.run.summary()
+
+
+def _wrap_after_pipeline_split(converter: TapeSACConverter) -> None:
+    """Wrap the stages ``pipeline_module_split`` returns, once, as it returns them.
+
+    torchtitan's ``pipeline_llm`` (the ``pipelining_fn`` of its decoder models; :func:`validate`
+    refuses others) splits the meta model with this module-level function and then parallelises
+    each part; the patch takes itself out at its first call (one split per trainer) and holds
+    the converter weakly.
+    """
+    from torchtitan.distributed import pipeline_parallel
+
+    original = pipeline_parallel.pipeline_module_split
+    ref = weakref.ref(converter)
+
+    def pipeline_module_split(*args: Any, **kwargs: Any):
+        pipeline_parallel.pipeline_module_split = original
+        stages, parts = original(*args, **kwargs)
+        target = ref()
+        if target is not None:
+            target.wrap(parts, PipelineStage.of([s.stage_index for s in stages]))
+        return stages, parts
+
+    pipeline_parallel.pipeline_module_split = pipeline_module_split
 
 
 def _current_run() -> TapeSACRun | None:

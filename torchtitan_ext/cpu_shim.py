@@ -2,8 +2,9 @@
 
 The version-independent part (a CPU device module, gloo-friendly FSDP2 reductions, an ATen CPU
 gap, a clean exit after gloo's teardown) is ``torchtitan_common.cpu``; this adds torchtitan
-0.2.x's MoE experts on CPU. :func:`install` is applied by ``import torchtitan_ext`` when no CUDA
-device exists.
+0.2.x's MoE experts on CPU and expert parallelism's token permutation in torch
+(``torchtitan_ext.permutation``; torchtitan's is a Triton kernel). :func:`install` is applied by
+``import torchtitan_ext`` when no CUDA device exists.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 
 from torchtitan_common.cpu import CpuDeviceModule, cpu_capacity_bytes, patch_ops
 from torchtitan_common.cpu import install as install_common
+
+from . import permutation
 
 __all__ = ["CpuDeviceModule", "cpu_capacity_bytes", "install", "patch_ops"]
 
@@ -22,6 +25,7 @@ def install() -> None:
         return
     install_common()
     _experts_loop_on_cpu()
+    permutation.install()
 
 
 def _experts_loop_on_cpu() -> None:
