@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tapesac
+from bench_replay import BlockStack, OpCounter  # tools/ is on the path when run as a script
 
 
 class _Null(TorchDispatchMode):
@@ -36,29 +37,7 @@ class _Null(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, layers, freqs_cis) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-        self.register_buffer("freqs_cis", freqs_cis, persistent=False)
-
-    def forward(self, h):
-        for layer in self.layers:
-            h = layer(h, self.freqs_cis, attention_masks=None)
-        return h
-
-
-def build() -> tuple[Stack, torch.Tensor]:
+def build() -> tuple[BlockStack, torch.Tensor]:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
     torch.manual_seed(0)
@@ -66,7 +45,7 @@ def build() -> tuple[Stack, torch.Tensor]:
     base = Transformer(args)
     with torch.no_grad():
         base.init_weights(buffer_device=torch.device("cpu"))
-    return Stack(list(base.layers.values()), base.freqs_cis), torch.randn(1, 16, 64)
+    return BlockStack(list(base.layers.values()), base.freqs_cis), torch.randn(1, 16, 64)
 
 
 def _no_follow(handle) -> None:
@@ -83,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, h0 = build()
-    count = _Count()
+    count = OpCounter()
     with count:
         model(h0.detach().requires_grad_())
     n_ops = count.n
