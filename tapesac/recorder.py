@@ -217,8 +217,9 @@ class _FollowStep:
         self.after = dict(op.writes)
         """vid before -> vid after, of each argument the op writes."""
         self.written = frozenset(self.after.values())
-        self.may_differ = op.n_returned == 1 and op.outs[0] is not None and not op.writes and not self.rng
-        """Constants may differ from the tape's: one tensor out, nothing written, no generator."""
+        self.may_differ = not op.writes and not self.rng
+        """Constants may differ from the tape's (nothing written, no generator): the outputs are
+        checked after the op runs, and a different number of them departs from the tape."""
         self.single = len(op.outs) == 1 and op.n_returned == 1 and op.outs[0] is not None and not op.writes
         """One tensor returned, nothing written: mapped without the general output loop."""
         tensors, lists, const_pos = [], [], []
@@ -256,8 +257,9 @@ class FollowPlan:
     could change shape or number, a tensor written through an alias, a saved tensor the tape did
     not save, fewer ops) the forward hands what it followed over to a recording of its own and
     records the rest, so a program that changes with its input is recorded, never replayed from a
-    stale tape. Integer and float constants of ops with one tensor output (sizes that depend on
-    the data, a scale read with ``.item()``) may differ: replay uses this forward's.
+    stale tape. Constants of ops that write nothing and draw no random numbers may differ (sizes
+    that depend on the data, such as MoE split sizes, or a scale read with ``.item()``): replay
+    uses this forward's, and an op whose outputs then differ in number or kind departs.
 
     Not eligible (recorded every time): tapes where replay needs a snapshot (a held value that was
     written in place), with storage aliases (a tensor written through another alias) or with
