@@ -249,3 +249,50 @@ def test_shapes_that_alternate_every_step_are_each_profiled_once_and_verified():
     assert len(planner.plans) == 2 and all(e.verified for e in planner.plans.values())
     assert sorted(r["step_key"] for r in planner.history) == sorted(planner.plans)
     assert planner.last_step_mode == "planned"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap (2026-11-30): with two sequence lengths in turn, two micro-batches, a block applied "
+    "twice and retain_graph every third step, the first planned step of the 48-token shape measures "
+    "5.42 MB against a predicted 5.09 MB and a limit of 5.20 MB (5.41 MB against 5.15 MB in this "
+    "shorter run); the re-plan made from that measurement is exact. Found by trying a loop the other "
+    "tests do not combine; not yet explained"))
+def test_first_planned_step_fits_when_shapes_alternate_with_a_shared_block_and_retain_graph():
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    torch.manual_seed(0)
+    args = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
+    base = Transformer(args)
+    with torch.no_grad():
+        base.init_weights(buffer_device=torch.device("cpu"))
+
+    def run(model, steps=7):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        layers = list(model.layers.values())
+        for s in range(steps):
+            seq = 32 if s % 2 else 48
+            g = torch.Generator().manual_seed(s)
+            for _ in range(2):
+                h = model.tok_embeddings(torch.randint(0, 128, (2, seq), generator=g))
+                for i in [0, 1, 2, 1]:
+                    h = layers[i](h, model.freqs_cis, attention_masks=None)
+                loss = model.output(model.norm(h)).float().pow(2).mean()
+                loss.backward(retain_graph=s % 3 == 0)
+                if s % 3 == 0:
+                    (0.5 * loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    import copy
+
+    probe = copy.deepcopy(base)
+    handle = tapesac.wrap(list(probe.layers.values()), plan_config=PlanConfig(memory_limit_bytes=10**12))
+    run(probe)
+    lo, hi = handle.plan.smallest_peak_bytes, handle.plan.largest_useful_peak_bytes
+    handle.remove()
+    model = copy.deepcopy(base)
+    limit = int(lo + 0.5 * (hi - lo))
+    handle = tapesac.wrap(list(model.layers.values()), plan_config=PlanConfig(memory_limit_bytes=limit))
+    run(model)
+    over = [(r["step"], r["measured_peak_bytes"]) for r in handle.planner.history if r["measured_peak_bytes"] > limit]
+    assert not over, f"limit {limit}: {over}"
