@@ -254,9 +254,8 @@ def test_shapes_that_alternate_every_step_are_each_profiled_once_and_verified():
 @pytest.mark.xfail(strict=True, reason=(
     "known gap (2026-11-30): with two sequence lengths in turn, two micro-batches, a block applied "
     "twice and retain_graph every third step, the first planned step of the 48-token shape measures "
-    "5.42 MB against a predicted 5.09 MB and a limit of 5.20 MB (5.41 MB against 5.15 MB in this "
-    "shorter run); the re-plan made from that measurement is exact. Found by trying a loop the other "
-    "tests do not combine; not yet explained"))
+    "5.42 MB against a limit of 5.20 MB (predicted 5.09 MB); the re-plan made from that measurement "
+    "is exact. Found by trying a loop the other tests do not combine; not yet explained"))
 def test_first_planned_step_fits_when_shapes_alternate_with_a_shared_block_and_retain_graph():
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
