@@ -528,10 +528,7 @@ class Recorder(TorchDispatchMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = op_info(func)
-        deps: list[int] = []
-        encode = self._encode
-        eargs = tuple([encode(a, deps) for a in args])
-        ekwargs = {k: encode(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
+        eargs, ekwargs, deps = self._encode_all(args, kwargs)
         written = written_tensors(info, args, kwargs) if info.write_args else ()
         before = []
         if written:
@@ -750,7 +747,7 @@ class Recorder(TorchDispatchMode):
         return eargs, ekwargs
 
     def _encode_all(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
-        """(eargs, ekwargs, deps) as :meth:`_record` encodes them (recording mode only)."""
+        """An op's arguments in tape form, and the values they read (recording mode)."""
         deps: list[int] = []
         eargs = tuple([self._encode(a, deps) for a in args])
         ekwargs = {k: self._encode(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
