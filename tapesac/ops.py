@@ -10,10 +10,15 @@ from typing import Any
 
 import torch
 
-# Namespaces whose ops talk to other ranks or to the outside world: never replayed.
+# Namespaces whose ops talk to other ranks or to the outside world.
 COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"}
 )
+# Functional collectives (a fresh output, nothing written): replayable like any op. Replay runs
+# them on every rank of the group in the same order, because every rank replays the same values
+# (the same program under a broadcast policy). In-place collectives (``c10d`` ops, ``all_reduce_``)
+# and ``_dtensor`` ops stay keep-only.
+REPLAYABLE_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
 # Ops that write an argument without saying so in their schema (the schema predates mutation
 # annotations): the running statistics of batch norm, written only when ``training`` (arg 5).
@@ -85,8 +90,8 @@ def _analyse(func: Any) -> OpInfo:
     tags = getattr(func, "tags", ())
     keep_only = None
     namespace = getattr(func, "namespace", "aten")
-    if namespace in COLLECTIVE_NAMESPACES:
-        keep_only = f"collective {name}: replay would communicate again"
+    if namespace in COLLECTIVE_NAMESPACES and (namespace not in REPLAYABLE_COLLECTIVE_NAMESPACES or writes):
+        keep_only = f"collective {name} writes its argument or is not a functional collective: replay would write it again"
     elif any(t in tags for t in _TAGS_DATA_DEPENDENT):
         keep_only = f"data-dependent {name}: replay would synchronise with the host"
     return OpInfo(

@@ -39,6 +39,12 @@ Invariants the recorder keeps (each is relied on by replay):
    autograd gets a counter of its own), so replay can check it before reading it (replay's
    invariant 11). A held value the block itself overwrites is copied or dropped (invariant 3)
    and needs no carrier.
+8. A DTensor and its local shard are one storage (the shard's). What DTensor code makes outside
+   the dispatcher (``to_local`` reads ``_local_tensor``; ``from_local`` and ``redistribute``
+   wrap a local tensor in a new DTensor) goes on the tape as :func:`local_shard` and
+   :func:`as_dtensor`, so those values are replayable and a write through either side invalidates
+   the other (a DTensor's own version counter does not see writes to its shard: its value also
+   goes stale when the shard's version moves).
 """
 
 from __future__ import annotations
@@ -60,8 +66,32 @@ Tensor = torch.Tensor
 
 
 def storage_alias(src: Tensor, dtype: torch.dtype, size: tuple, stride: tuple, offset: int) -> Tensor:
-    """A tensor with the given view metadata over ``src``'s storage (replays rule 4 above)."""
-    return torch.empty((0,), dtype=dtype, device=src.device).set_(src.untyped_storage(), offset, size, stride)
+    """A tensor with the given view metadata over ``src``'s storage (replays rule 4 above); a
+    DTensor's storage is its shard's (invariant 8)."""
+    parts = _dtensor_parts(src)
+    storage = (src if parts is None else parts[0]).untyped_storage()
+    return torch.empty((0,), dtype=dtype, device=src.device).set_(storage, offset, size, stride)
+
+
+def local_shard(dtensor: Tensor) -> Tensor:
+    """The local tensor of a DTensor, as ``to_local`` and ``redistribute`` read it (invariant 8)."""
+    return dtensor._local_tensor
+
+
+def as_dtensor(local: Tensor, spec: Any, placements: str) -> Tensor:
+    """A DTensor over ``local`` with ``spec``, as ``from_local`` and ``redistribute`` build it
+    (invariant 8). ``placements`` (``str(spec.placements)``) puts the layout into the signature."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _dtensor_parts(t: Tensor) -> tuple[Tensor, Any] | None:
+    """(local shard, spec) of a DTensor, None for any other tensor."""
+    if type(t) in _PLAIN:
+        return None
+    local, spec = getattr(t, "_local_tensor", None), getattr(t, "_spec", None)
+    return None if local is None or spec is None else (local, spec)
 
 
 class ReplayLink:
@@ -373,6 +403,10 @@ class Recorder(TorchDispatchMode):
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         self._held_by_sid: dict[int, set[int]] = {}
         self._last_write: dict[int, int] = {}
+        self._shards: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        """id(local shard) -> (weak ref to it, weak ref to its DTensor), for DTensors on the tape."""
+        self._shard_versions: dict[int, int] = {}
+        """vid of a DTensor value -> its shard's version then (invariant 8)."""
         self._bypass = False
         # Follow mode (see FollowPlan): the tape of a verified earlier forward stands in for this
         # one's, op by op, until the program departs from it.
@@ -406,6 +440,9 @@ class Recorder(TorchDispatchMode):
     # Identity maps --------------------------------------------------------------------------
 
     def _sid(self, t: Tensor) -> int:
+        parts = _dtensor_parts(t) if type(t) not in _PLAIN else None
+        if parts is not None:
+            t = parts[0]  # invariant 8: a DTensor lives in its shard's storage
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
@@ -423,10 +460,57 @@ class Recorder(TorchDispatchMode):
     def _lookup(self, t: Tensor) -> int | None:
         ent = self._ids.get(id(t))
         if ent is None or ent[0]() is not t:
-            return None
+            return self._derived(t) if self._shards or type(t) not in _PLAIN else None
         vid = ent[1]
-        if t._version != self.tape.values[vid].version:
+        if t._version != self.tape.values[vid].version or (
+                vid in self._shard_versions and t._local_tensor._version != self._shard_versions[vid]):
             vid = self._refresh(t)
+        return vid
+
+    def _note_dtensor(self, vid: int, t: Tensor) -> None:
+        """Register a DTensor value's shard, so a later read of the shard maps to it (invariant 8)."""
+        parts = _dtensor_parts(t)
+        if parts is not None:
+            local = parts[0]
+            self._shards[id(local)] = (weakref.ref(local), weakref.ref(t))
+            self._shard_versions[vid] = local._version
+
+    def _derived(self, t: Tensor) -> int | None:
+        """A tensor no recorded op returned that is the shard of a DTensor on the tape, or a
+        DTensor over a local tensor on the tape, becomes a value of a :func:`local_shard` or
+        :func:`as_dtensor` step (invariant 8); None for anything else."""
+        if type(t) in _PLAIN:
+            if not self._shards:
+                return None
+            ent = self._shards.get(id(t))
+            if ent is None or ent[0]() is not t:
+                return None
+            owner = ent[1]()
+            dvid = None if owner is None else self._lookup(owner)
+            return None if dvid is None else self._step(local_shard, (Ref(dvid),), dvid, t)
+        parts = _dtensor_parts(t)
+        if parts is None:
+            return None
+        lvid = self._lookup(parts[0])
+        if lvid is None:
+            return None
+        return self._step(as_dtensor, (Ref(lvid), parts[1], str(parts[1].placements)), lvid, t)
+
+    def _step(self, func: Any, args: tuple, dep: int, t: Tensor) -> int:
+        """Put a step of the recorder's own (not a dispatched op) on the tape, producing ``t``."""
+        idx = len(self.tape.ops)
+        op = TapeOp(func, args, {}, (dep,))
+        self.tape.ops.append(op)
+        vid = self._produced(idx, 0, t, t._version, self._sid(t))
+        op.outs = [vid]
+        op.n_returned = 1
+        op.time_s = 0.0
+        if (idx, 0) in self._keep:
+            self._bypass, bypass = True, self._bypass
+            try:
+                self._hold(vid, t)
+            finally:
+                self._bypass = bypass
         return vid
 
     def _hold(self, vid: int, t: Tensor) -> None:
@@ -439,6 +523,8 @@ class Recorder(TorchDispatchMode):
         self.tape.external_sids.add(sid)
         vid = self.tape.add_value(-1, -1, EXTERNAL, t, t._version, sid)
         self._ids[id(t)] = (weakref.ref(t), vid)
+        if type(t) not in _PLAIN:
+            self._note_dtensor(vid, t)
         self._hold(vid, t)
         if id(t) in self._owned:
             self.owned_vids.add(vid)
@@ -454,30 +540,26 @@ class Recorder(TorchDispatchMode):
     def _produced(self, op: int, slot: int, t: Tensor, version: int, sid: int) -> int:
         vid = self.tape.add_value(op, slot, PRODUCED, t, version, sid)
         self._ids[id(t)] = (weakref.ref(t), vid)
+        if type(t) not in _PLAIN:
+            self._note_dtensor(vid, t)
         return vid
 
     def _refresh(self, t: Tensor) -> int:
         """``t`` was written through another alias of its storage: make its new content a value."""
+        parts = _dtensor_parts(t)
+        if parts is not None:  # invariant 8: the DTensor over its shard's current value
+            ent = self._ids.get(id(parts[0]))
+            lvid = self._lookup(parts[0]) if ent is not None and ent[0]() is parts[0] else None
+            if lvid is None:
+                return self._external(t)
+            return self._step(as_dtensor, (Ref(lvid), parts[1], str(parts[1].placements)), lvid, t)
         sid = self._sid(t)
         src = self._last_write.get(sid)
         if src is None:
             # Written by code the dispatcher never saw: all we can do is hold it as it is now.
             return self._external(t)
-        idx = len(self.tape.ops)
-        op = TapeOp(storage_alias, (Ref(src), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()),
-                    {}, (src,))
-        self.tape.ops.append(op)
-        vid = self._produced(idx, 0, t, t._version, sid)
-        op.outs = [vid]
-        op.n_returned = 1
-        op.time_s = 0.0
-        if (idx, 0) in self._keep:
-            self._bypass, bypass = True, self._bypass
-            try:
-                self._hold(vid, t)
-            finally:
-                self._bypass = bypass
-        return vid
+        return self._step(storage_alias, (Ref(src), t.dtype, tuple(t.shape), tuple(t.stride()),
+                                          t.storage_offset()), src, t)
 
     # Recording ------------------------------------------------------------------------------
 
