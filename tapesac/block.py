@@ -78,6 +78,11 @@ class BlockState:
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
         self.last_tape = None
+        self._recorder: Recorder | None = None
+        """The recorder of the forward running now, for the hooks on nested FSDP2 units."""
+        self._unit_hooks: list | None = None
+        """Forward hooks on the FSDP2 units nested inside the block (recorder invariant 9);
+        None until the first recorded forward (FSDP2 may be applied after wrapping)."""
         """The Tape of the last recorded forward (plain data, no tensors)."""
 
     def _mismatch(self, what: str) -> None:
@@ -124,7 +129,31 @@ class BlockState:
         forward.__tapesac_state__ = self  # type: ignore[attr-defined]
         self.module.forward = forward
 
+    def _hook_nested_units(self, module: nn.Module) -> None:
+        """Hold the outputs of every FSDP2 unit nested inside the block (recorder invariant 9)."""
+        self._unit_hooks = []
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            return
+        state = self
+        for name, sub in module.named_modules():
+            if sub is module or not isinstance(sub, FSDPModule):
+                continue
+            reason = (f"output of '{name}', an FSDP2 unit inside the block: its parameters are freed "
+                      "until its own backward")
+
+            def hook(_mod: nn.Module, _args: Any, out: Any, reason: str = reason) -> None:
+                rec = state._recorder
+                if rec is not None:
+                    rec.hold_outputs(out, reason)
+
+            self._unit_hooks.append(sub.register_forward_hook(hook))
+
     def uninstall(self) -> None:
+        for h in self._unit_hooks or ():
+            h.remove()
+        self._unit_hooks = None
         m = self._module()
         if m is None:
             return
@@ -180,7 +209,10 @@ class BlockState:
         key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
                        follow=self._follow.get(key))
+        if self._unit_hooks is None:
+            self._hook_nested_units(module)
         _local.active = self
+        self._recorder = rec
         # Recording makes a few small objects per op; automatic collections triggered by them in
         # the middle of a forward cost more than the recording itself. Pause them for the block
         # (torchtitan runs with gc disabled anyway); the next allocation afterwards catches up.
@@ -191,6 +223,7 @@ class BlockState:
                 out = self.original_forward(*args, **kwargs)
         finally:
             _local.active = None
+            self._recorder = None
             if collecting:
                 gc.enable()
         replayer = self._finish(rec, args, kwargs, key)

@@ -45,6 +45,11 @@ Invariants the recorder keeps (each is relied on by replay):
    :func:`as_dtensor`, so those values are replayable and a write through either side invalidates
    the other (a DTensor's own version counter does not see writes to its shard: its value also
    goes stale when the shard's version moves).
+9. A module inside the block that is an FSDP2 unit of its own (MoE experts under expert
+   parallel) has its parameters freed after its forward and gathered again only in its
+   backward, which runs after the nodes that read what the block computed from its outputs. So
+   its outputs are held and their ops made keep-only (:meth:`Recorder.hold_outputs`): no replay
+   reaches into it from outside; inside its own backward replay reads what FSDP gathered.
 """
 
 from __future__ import annotations
@@ -920,6 +925,39 @@ class Recorder(TorchDispatchMode):
         vid = self._produced(idx, slot, t, t._version + (1 if bumps else 0), sid)
         self._last_write[sid] = vid
         return vid
+
+    def hold_outputs(self, out: Any, reason: str) -> None:
+        """Make the ops that produced ``out`` keep-only and hold their outputs (invariant 9).
+
+        Called from a forward hook of a module inside the block whose parameters FSDP2 frees
+        after that module's forward and gathers again only in that module's backward: replay
+        that reaches into the module from a node that runs earlier would read freed storage.
+        A followed forward holds what the verified forward held: nothing to do."""
+        if self._plan is not None:
+            return
+        bypass, self._bypass = self._bypass, True
+        try:
+            tape = self.tape
+            alive = None
+            for t in flatten_outputs(out):
+                if not isinstance(t, Tensor):
+                    continue
+                vid = self._lookup(t)
+                v = None if vid is None else tape.values[vid]
+                if v is None or v.kind != PRODUCED or v.free:
+                    continue
+                op = tape.ops[v.op]
+                if op.keep_only is None:
+                    op.keep_only = reason
+                if alive is None:
+                    alive = {vid: ref for ref, vid in self._ids.values()}
+                for o in op.outs:
+                    ref = alive.get(o)
+                    t_o = None if ref is None else ref()
+                    if t_o is not None and o not in self.held and t_o._version == tape.values[o].version:
+                        self._hold(o, t_o)
+        finally:
+            self._bypass = bypass
 
     # Saved-tensor hook ----------------------------------------------------------------------
 
