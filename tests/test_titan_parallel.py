@@ -43,7 +43,7 @@ def test_expert_parallel_replay_only_matches_ep_without_tapesac(tmp_path, ep2_ba
 
 def test_expert_parallel_planned_at_a_tight_limit_matches_and_stays_under_it(tmp_path, ep2_baseline):
     """The all-to-all dispatch and combine carry data-dependent split sizes: their outputs are
-    kept (collectives are keep-only) and what replays after them runs on the recorded sizes."""
+    kept or replayed with the sizes recorded in that forward, on both ranks alike."""
     limit_gib = 0.14
     out, records = run_titan(tmp_path, "plan", EP2, "--tapesac.limit_gib", str(limit_gib), steps=STEPS)
     _ok(out)
