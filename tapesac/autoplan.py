@@ -18,6 +18,12 @@ Phases (:class:`Phase`), the same on every rank:
    sequence lengths).
 3. The first step under a new plan is measured (*verify*): over the limit means re-plan tighter
    (at most ``max_replans`` times, then replay-only for that key with a warning).
+4. Once a step of the run has backwarded a recording twice (a graph retained for a second
+   backward), every plan must also be made from a traced step that did so: the step key names
+   the forwards only, and a trace of a step that freed its graph as it went shows less than one
+   that retained it (``tapesac.stepmodel``). Until a key has such a trace its steps run
+   replay-only, traced, and the first that retains is added to the key's model
+   (``StepMemory.union``) and the key re-planned and verified.
 
 Rules that keep ranks in agreement: every decision that leads to a collective is taken from
 data every rank has (step counts, broadcast plans) or agreed at the step's end by one small
@@ -176,6 +182,8 @@ class StepPlan:
     """The limit this plan was solved for (tighter than the user's after an overshoot)."""
     replans: int = 0
     verified: bool = False
+    retained: bool = False
+    """The memory model includes a traced step that backwarded a recording twice (retain_graph)."""
 
 
 @dataclasses.dataclass
@@ -200,6 +208,8 @@ class _StepState:
     """This step's recordings under the plan (released when the step leaves it)."""
     mismatch: bool = False
     """A recording's tape did not match the active plan's signature."""
+    backwards_twice: bool = False
+    """A recording was unpacked by two graph tasks (a retained graph's second backward)."""
     forwards: int = 0
 
 
@@ -316,6 +326,8 @@ class AutoPlanner:
         """The plan the last step ran under (None: replay-only)."""
         self.last_step_mode = "warm-up"
         """How the last step ran, in words: warm-up, profiled, planned, verified, replay-only."""
+        self._retains = False
+        """Some step of this run backwarded a recording twice: plans must be made for it (phase 4)."""
         self._warned_no_boundary = False
         for s in handle.blocks:
             s.controller = self
@@ -396,7 +408,8 @@ class AutoPlanner:
         entry = None
         if active is not None and not step.off_plan and self.phase is Phase.PLANNED:
             if i < len(active.recordings) and active.recordings[i] == (state.index, ik):
-                entry = active.policy.blocks.get(state.index)
+                if not self._awaits_retained(active):
+                    entry = active.policy.blocks.get(state.index)
             else:
                 self._leave_plan(step)
         if entry is None:
@@ -426,14 +439,37 @@ class AutoPlanner:
         trace = self._trace
         if trace is not None:
             trace.forward_end(rid, state.index)
-            if replayer is not None:  # None: a pass-through block (plain autograd)
-                b = state.index
-                replayer.on_unpack = lambda vid: trace.unpack(rid, b, vid)
+        if replayer is not None:  # None: a pass-through block (plain autograd)
+            if trace is not None:
                 weakref.finalize(replayer, trace.released, rid)
+            if trace is not None or not self._retains:  # after the first retained graph: traced steps say
+                replayer.on_unpack = self._unpack_hook(rid, state.index, trace)
         if self.phase is Phase.PROFILE and replayer is not None:
             self._step.tapes.append((state.index, state.last_tape))
         elif replayer is not None and self._step.active is not None and not self._step.off_plan:
             self._step.replayers.append(weakref.ref(replayer))
+
+    def _unpack_hook(self, rid: int, block: int, trace: StepTrace | None) -> Callable[[int], None]:
+        """Called at each unpack of one recording: notices a second graph task (a retained graph's
+        second backward, or double backward) and feeds the trace. Holds the planner weakly."""
+        planner = weakref.ref(self)
+        first_task: list[int] = []
+
+        def on_unpack(vid: int) -> None:
+            task = torch._C._current_graph_task_id()
+            if not first_task:
+                first_task.append(task)
+            elif task != first_task[0]:
+                p = planner()
+                if p is not None:
+                    p._step.backwards_twice = True
+            if trace is not None:
+                trace.unpack(rid, block, vid)
+        return on_unpack
+
+    def _awaits_retained(self, entry: StepPlan) -> bool:
+        """The run retains graphs, and ``entry``'s model has not seen a step that did (phase 4)."""
+        return self._retains and not entry.retained
 
     @property
     def measuring(self) -> bool:
@@ -471,12 +507,12 @@ class AutoPlanner:
 
     # The end of a step --------------------------------------------------------------------------
 
-    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool, bool]:
+    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool, bool, bool]:
         """(some rank ran a forward, every rank ran this key, some rank's tape mismatched its plan,
-        some rank failed its profile, some rank ran off its plan): one all-reduce, so every rank
-        decides alike."""
+        some rank failed its profile, some rank ran off its plan, some rank backwarded a recording
+        twice): one all-reduce, so every rank decides alike."""
         step = self._step
-        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan]
+        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan, step.backwards_twice]
         if not tdist.active(self.group):
             return (flags[0], True, *flags[1:])
         import torch.distributed as dist
@@ -486,7 +522,7 @@ class AutoPlanner:
         t = torch.tensor([h, -h, *[int(f) for f in flags]], dtype=torch.int64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         v = t.tolist()
-        return (bool(v[2]), v[0] == -v[1], bool(v[3]), bool(v[4]), bool(v[5]))
+        return (bool(v[2]), v[0] == -v[1], bool(v[3]), bool(v[4]), bool(v[5]), bool(v[6]))
 
     def _end_step(self) -> bool:
         """Close the step on every rank alike; False when no rank ran a forward (nothing ended)."""
@@ -494,7 +530,7 @@ class AutoPlanner:
         key = step_key(step.recordings)
         purpose = self._trace_purpose
         profile_error = self._check_profile(step) if purpose == "profile" else None
-        ran, same, mismatch, failed, off_plan = self._agree(key, profile_error is not None)
+        ran, same, mismatch, failed, off_plan, twice = self._agree(key, profile_error is not None)
         if not ran:
             return False
         memory = self._finish_trace()
@@ -507,7 +543,10 @@ class AutoPlanner:
         planned = active is not None and active.key == key and not off_plan
         self.last_step_mode = ("profiled" if purpose == "profile" else "warm-up" if self.phase is Phase.WARMUP
                                else "verified" if purpose == "verify" and planned and not active.verified
+                               else "replay-only (no plan for a retained graph yet)" if purpose == "retained"
                                else "planned" if planned else "replay-only (no plan for these shapes yet)")
+        if twice and not self._retains:
+            self._first_retained(planned)
         if mismatch and active is not None and active.key in self.plans:
             self._log(logging.WARNING, "TapeSAC: a block's tape differs from the one its plan was made for (the "
                         "program or a saved policy changed); dropping the plan and profiling again")
@@ -528,7 +567,35 @@ class AutoPlanner:
         elif (purpose == "verify" and memory is not None and same and not off_plan and active is not None
               and active.key == key and not active.verified):
             self._verify(active, memory)
+        elif (purpose == "retained" and twice and memory is not None and same and not off_plan
+              and active is not None and active.key == key and key in self.plans and not active.retained):
+            self._add_retained(active, memory)
         return True
+
+    def _first_retained(self, planned: bool) -> None:
+        """The run backwarded a recording twice for the first time (phase 4)."""
+        self._retains = True
+        self._log(logging.WARNING if planned else logging.INFO,
+                  "TapeSAC: step %d backwarded a retained graph (retain_graph=True)%s; from now on each step "
+                  "shape runs replay-only until such a step of it is traced, and is then planned for it",
+                  self.steps, ", which its plan was not made for: its peak was not planned" if planned else "")
+        for key, entry in list(self.plans.items()):
+            if entry.graphs is None and not entry.retained:  # a loaded policy: no model to add to
+                del self.plans[key]
+
+    def _add_retained(self, entry: StepPlan, memory: StepMemory) -> None:
+        """Add a traced replay-only step that retained a graph to ``entry``'s model; re-plan."""
+        try:
+            _t, _s, memory = tdist.reduce_profile({}, {}, memory, self.config.timing_reduction, self.group)
+        except ValueError as e:  # ranks traced different windows: try again at the next such step
+            self._log(logging.WARNING, "TapeSAC: retained-graph trace discarded (%s)", e)
+            return
+        entry.memory = StepMemory.union([entry.memory, memory])
+        entry.retained = True
+        if entry.plan is None:  # the key runs replay-only for good (no plan fit)
+            return
+        self._log(logging.INFO, "TapeSAC: traced a step that retained its graph; re-planning its step shape for it")
+        self._solve(entry, entry.limit_bytes, first=False)
 
     def _begin_step(self) -> None:
         self._step = _StepState()
@@ -544,7 +611,8 @@ class AutoPlanner:
         if unplanned and len(self.plans) >= self.config.max_plans:
             self._give_up(last_key, f"already {len(self.plans)} plans (max_plans)")
             unplanned = False
-        if unplanned or (self.config.verify and any(not e.verified for e in self.plans.values())):
+        awaiting = any(self._awaits_retained(e) for e in self.plans.values())
+        if unplanned or awaiting or (self.config.verify and any(not e.verified for e in self.plans.values())):
             self._start_trace("pending")
 
     def _resolve_trace(self, active: StepPlan | None, start: tuple[int, str]) -> None:
@@ -558,6 +626,8 @@ class AutoPlanner:
         if (repeats_unplanned or active is None) and start not in given_up and len(self.plans) < self.config.max_plans:
             self._trace_purpose = "profile"
             self._start_profile()
+        elif active is not None and self._awaits_retained(active):
+            self._trace_purpose = "retained"
         elif active is not None and self.config.verify and not active.verified:
             self._trace_purpose = "verify"
         else:
@@ -634,7 +704,7 @@ class AutoPlanner:
         entry = StepPlan(key, recordings, Policy.replay_only(signatures),
                          programs={b: tapes[0].program_hash() for b, tapes in by_block.items()},
                          graphs=graphs, memory=memory,
-                         limit_bytes=float(self.config.memory_limit_bytes))
+                         limit_bytes=float(self.config.memory_limit_bytes), retained=memory.backwards_twice())
         self._solve(entry, entry.limit_bytes, first=True)
         self.plans[key] = entry
 
@@ -647,8 +717,9 @@ class AutoPlanner:
                 plan = make_plan(entry.graphs, entry.memory, limit,
                                  points_per_block=cfg.points_per_block, frontier_points=cfg.frontier_points,
                                  solver_time_limit_s=cfg.solver_time_limit_s, margin=cfg.safety_margin,
-                                 passthrough=not entry.memory.backwards_twice(),
+                                 passthrough=not entry.retained,
                                  meta={"limit_requested_bytes": cfg.memory_limit_bytes, "step_key": entry.key,
+                                       "retained": entry.retained,
                                        "recordings": [list(r) for r in entry.recordings],
                                        **cfg.policy_meta})
                 payload = ("plan", plan)
@@ -762,7 +833,7 @@ class AutoPlanner:
             policy = Policy.from_json(data)
             entry = StepPlan(policy.meta["step_key"], recordings, policy,
                              limit_bytes=float(policy.limit_bytes or self.config.memory_limit_bytes),
-                             verified=not self.config.verify)
+                             verified=not self.config.verify, retained=policy.meta.get("retained") is True)
             self.plans[entry.key] = entry
             self.loaded_policy = True
             self._log(logging.INFO, "TapeSAC: loaded policy %s (checked against the recorded tapes)", path)

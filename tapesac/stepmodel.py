@@ -15,6 +15,12 @@ that runs the same program under a plan:
               + the replaying recording's own change in w (see ``tapesac.planner.replay_deltas``)
 
 The limit applies to the largest window. A block recorded twice and alive twice counts twice.
+
+A trace shows only the backwards its step ran. A step that retains a graph for a second
+backward holds, through its first backward, everything autograd would otherwise free as it goes
+(saved tensors outside the blocks, block inputs, whatever pass-through blocks saved) while the
+gradients are allocated; a trace of a step that freed its graph cannot show that. Such steps are
+traced on their own and planned with :meth:`StepMemory.union` (``tapesac.autoplan``).
 """
 
 from __future__ import annotations
@@ -94,6 +100,13 @@ class StepMemory:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "StepMemory":
         return cls([Window(**w) for w in data["windows"]])
+
+    @staticmethod
+    def union(models: list["StepMemory"]) -> "StepMemory":
+        """Every window of every model: a plan that fits the union fits each of the steps they
+        were traced from. For steps of one program whose backwards differ (a graph retained for a
+        second backward in some steps only), which no single trace shows."""
+        return StepMemory([w for m in models for w in m.windows])
 
     @staticmethod
     def merge_max(models: list["StepMemory"]) -> "StepMemory":

@@ -18,7 +18,7 @@ import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.meter import StorageCounter
 
-from .loops import LOOPS, Loop, Model, forwards_first, interleaved, train
+from .loops import LOOPS, Loop, Model, _tracked, forwards_first, interleaved, train
 
 
 def assert_same(expected, actual) -> None:
@@ -251,47 +251,110 @@ def test_shapes_that_alternate_every_step_are_each_profiled_once_and_verified():
     assert planner.last_step_mode == "planned"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (2026-11-30): with two sequence lengths in turn, two micro-batches, a block applied "
-    "twice and retain_graph every third step, the first planned step of the 48-token shape measures "
-    "5.42 MB against a limit of 5.20 MB (predicted 5.09 MB); the re-plan made from that measurement "
-    "is exact. Found by trying a loop the other tests do not combine; not yet explained"))
-def test_first_planned_step_fits_when_shapes_alternate_with_a_shared_block_and_retain_graph():
+def llama3_model():
+    """torchtitan's llama3 at a tiny size: its parameters, gradients and optimizer state outweigh
+    its activations, so what a retained graph holds while the gradients are allocated shows."""
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
     torch.manual_seed(0)
     args = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
-    base = Transformer(args)
+    model = Transformer(args)
     with torch.no_grad():
-        base.init_weights(buffer_device=torch.device("cpu"))
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
 
-    def run(model, steps=7):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        layers = list(model.layers.values())
-        for s in range(steps):
-            seq = 32 if s % 2 else 48
-            g = torch.Generator().manual_seed(s)
-            for _ in range(2):
+
+def llama3_steps(model, seqs: list[int], micro: int, order: list[int], retains: Callable[[int], bool]) -> list[int]:
+    """Train ``model`` one step per sequence length: ``micro`` micro-batches, the blocks applied in
+    ``order``, and in the steps where ``retains(step)`` two backwards through a retained graph.
+    Returns each step's peak (a storage counter around the whole step, as ``loops.train``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    layers = list(model.layers.values())
+    peaks = []
+    for step, seq in enumerate(seqs):
+        g = torch.Generator().manual_seed(step)
+        counter = StorageCounter()
+        counter.track(_tracked(model, opt))
+        with counter:
+            for _ in range(micro):
                 h = model.tok_embeddings(torch.randint(0, 128, (2, seq), generator=g))
-                for i in [0, 1, 2, 1]:
+                for i in order:
                     h = layers[i](h, model.freqs_cis, attention_masks=None)
                 loss = model.output(model.norm(h)).float().pow(2).mean()
-                loss.backward(retain_graph=s % 3 == 0)
-                if s % 3 == 0:
+                loss.backward(retain_graph=retains(step))
+                if retains(step):
                     (0.5 * loss).backward()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        peaks.append(counter.peak_bytes)
+    return peaks
 
+
+def llama3_planned(seqs: list[int], micro: int, order: list[int], retains: Callable[[int], bool]):
+    """A probe run without a limit gives the frontier; a second run, from the same weights, is
+    planned at its midpoint. Returns (handle, limit, peaks of the planned run)."""
     import copy
 
+    base = llama3_model()
     probe = copy.deepcopy(base)
     handle = tapesac.wrap(list(probe.layers.values()), plan_config=PlanConfig(memory_limit_bytes=10**12))
-    run(probe)
+    llama3_steps(probe, seqs, micro, order, retains)
     lo, hi = handle.plan.smallest_peak_bytes, handle.plan.largest_useful_peak_bytes
     handle.remove()
-    model = copy.deepcopy(base)
+    assert hi > lo
     limit = int(lo + 0.5 * (hi - lo))
+    model = copy.deepcopy(base)
     handle = tapesac.wrap(list(model.layers.values()), plan_config=PlanConfig(memory_limit_bytes=limit))
-    run(model)
+    try:
+        peaks = llama3_steps(model, seqs, micro, order, retains)
+    finally:
+        handle.remove()
+    return handle, limit, peaks
+
+
+def test_a_graph_retained_in_some_steps_only_is_planned_for():
+    """The narrowest loop that went over its limit: one shape, one micro-batch, and a graph
+    retained for a second backward every third step (before such steps were planned for, they
+    measured 5.20 MB at a limit of 4.24 MB, predicted 4.22 MB). The step key
+    names only the forwards, and the profiled step freed its graph as backward went; a step that
+    retains it holds, through its first backward, all that trace saw freed while the gradients
+    are allocated. Once a step has retained a graph (here the warm-up step), each step shape runs
+    replay-only until a step of it that retains is traced; its plan is then made for both kinds
+    of step, and every step fits."""
+    handle, limit, peaks = llama3_planned([48] * 10, 1, [0, 1, 2], lambda s: s % 3 == 0)
+    over = [(s, p) for s, p in enumerate(peaks) if p > limit]
+    assert not over, f"limit {limit}: {over}"
+    entry = next(iter(handle.planner.plans.values()))
+    assert entry.retained and entry.policy.meta["retained"]
+    assert any(b.keep for b in entry.policy.blocks.values()), "a real plan keeps something"
+    assert handle.planner.last_step_mode == "planned"  # step 9 retains under the plan
+    assert [r["measured_peak_bytes"] <= limit for r in handle.planner.history] == [True]
+
+
+def test_a_graph_retained_first_under_a_plan_is_noticed_and_planned_for(caplog):
+    """A loop that retains a graph for the first time in a planned step runs a step its plan was
+    not made for, which nothing before it showed: that step may go over the limit, and a warning
+    says so. From then on the shape runs replay-only until a retaining step is traced, and is
+    planned for both kinds of step."""
+    retains = lambda s: s >= 4 and s % 3 == 1  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="tapesac"):
+        handle, limit, peaks = llama3_planned([48] * 12, 1, [0, 1, 2], retains)
+    assert any("its plan was not made for" in r.message for r in caplog.records)
+    over = [(s, p) for s, p in enumerate(peaks) if s > 4 and p > limit]
+    assert not over, f"limit {limit}, after the first retained graph: {over}"
+    assert next(iter(handle.planner.plans.values())).retained
+    assert handle.planner.last_step_mode == "planned"
+
+
+def test_first_planned_step_fits_when_shapes_alternate_with_a_shared_block_and_retain_graph():
+    """Two sequence lengths in turn, two micro-batches, a block applied twice and a graph retained
+    every third step: the loop in which the gap was found (the 32-token shape's first planned
+    step retained its graphs, which its profiled step had not: 5.42 MB measured at a limit of
+    5.20 MB, predicted 5.09 MB)."""
+    seqs = [32 if s % 2 else 48 for s in range(9)]
+    handle, limit, peaks = llama3_planned(seqs, 2, [0, 1, 2, 1], lambda s: s % 3 == 0)
+    over = [(s, p) for s, p in enumerate(peaks) if p > limit]
+    assert not over, f"limit {limit}: {over}"
+    assert len(handle.planner.plans) == 2 and all(e.retained and e.verified for e in handle.planner.plans.values())
     over = [(r["step"], r["measured_peak_bytes"]) for r in handle.planner.history if r["measured_peak_bytes"] > limit]
     assert not over, f"limit {limit}: {over}"

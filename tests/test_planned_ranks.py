@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) ->
         import tapesac
         from tapesac.autoplan import PlanConfig
 
-        from .loops import Model, forwards_first
+        from .loops import Model, forwards_first, tokens
 
         model = Model()
         seq = 48
@@ -41,9 +41,18 @@ def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) ->
         handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12, **config))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loop = forwards_first(2)
+        if scenario.startswith("retain_graph"):
+            def loop(model, step, seq):  # a graph retained for a second backward every third step
+                losses = [model(tokens(step, m, seq)) / 2 for m in range(2)]
+                twice = step % 3 == 0 and (rank == 1 or scenario == "retain_graph")
+                for loss in losses:
+                    loss.backward(retain_graph=twice)
+                    if twice:
+                        (0.5 * loss).backward()
+                return losses
         losses = []
         try:
-            for step in range(5):
+            for step in range(7 if scenario.startswith("retain_graph") else 5):
                 opt.zero_grad()
                 losses += [float(x).hex() for x in loop(model, step, seq)]
                 opt.step()
@@ -51,7 +60,8 @@ def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) ->
             result["error"] = str(e)
         planner = handle.planner
         result.update(losses=losses, loaded=planner.loaded_policy, plans=sorted(planner.plans),
-                      steps=planner.steps, history=planner.history,
+                      steps=planner.steps, history=planner.history, mode=planner.last_step_mode,
+                      retained=[e.retained for e in planner.plans.values()],
                       keep=[sorted(map(tuple, s.keep or ())) for s in handle.blocks])
     except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
         result["crash"] = traceback.format_exc()
@@ -92,4 +102,21 @@ def test_a_policy_file_only_rank_0_can_read_is_loaded_on_every_rank(tmp_path):
 def test_a_garbage_policy_file_on_one_rank_changes_nothing(tmp_path):
     r = _run("garbage_policy_on_rank_1", tmp_path)
     assert r[0]["plans"] == r[1]["plans"] and len(r[0]["plans"]) == 1
+    assert "error" not in r[0] and "error" not in r[1]
+
+
+def test_ranks_plan_a_retained_graph_alike(tmp_path):
+    r = _run("retain_graph", tmp_path)
+    assert r[0]["plans"] == r[1]["plans"] and r[0]["retained"] == r[1]["retained"] == [True]
+    assert r[0]["keep"] == r[1]["keep"] and r[0]["mode"] == r[1]["mode"] == "planned"
+    assert r[0]["history"] == r[1]["history"] and r[0]["history"]
+    assert "error" not in r[0] and "error" not in r[1]
+
+
+def test_a_graph_retained_on_one_rank_only_changes_the_same_things_on_every_rank(tmp_path):
+    """Rank 1's retaining steps have more windows than rank 0's: the traces cannot be merged, so
+    both ranks discard them and the shape runs replay-only, traced, on both, without a hang."""
+    r = _run("retain_graph_on_rank_1", tmp_path)
+    assert r[0]["plans"] == r[1]["plans"] and r[0]["retained"] == r[1]["retained"]
+    assert r[0]["keep"] == r[1]["keep"] and r[0]["mode"] == r[1]["mode"]
     assert "error" not in r[0] and "error" not in r[1]
