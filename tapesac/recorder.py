@@ -317,7 +317,8 @@ class FollowPlan:
         self.steps = steps
         self.reads = {v.vid: v.reads for v in values if v.reads}
         """vid -> times autograd saved it: a followed forward must save the same."""
-        self.last_versions = {v.sid: v.version for v in values}
+        self.last_versions = tape.last_versions()
+        self.wrapper_versions = tape.last_versions(wrappers=True)
         """sid -> version of the last value in that storage (see :meth:`Saved.settle`)."""
         self.program = None
         """The replay program of forwards that follow this plan (made by the first one)."""
@@ -479,6 +480,7 @@ class Recorder(TorchDispatchMode):
             local = parts[0]
             self._shards[id(local)] = (weakref.ref(local), weakref.ref(t))
             self._shard_versions[vid] = local._version
+            self.tape.values[vid].wrapper = True
 
     def _derived(self, t: Tensor) -> int | None:
         """A tensor no recorded op returned that is the shard of a DTensor on the tape, or a
@@ -892,8 +894,11 @@ class Recorder(TorchDispatchMode):
                 continue
             values[vid].version = version
             self._ids[id(t)] = (r, vid)
+            parts = _dtensor_parts(t)
+            if parts is not None:
+                self._note_dtensor(vid, t)
             try:
-                st = t.untyped_storage()
+                st = (t if parts is None else parts[0]).untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
             self._storages[id(st)] = (weakref.ref(st), values[vid].sid)
@@ -998,11 +1003,11 @@ class Recorder(TorchDispatchMode):
         values = self.tape.values
         if plan is not None:
             self.followed = True
-            last_versions = plan.last_versions
+            last_versions, wrapper_versions = plan.last_versions, plan.wrapper_versions
         else:
-            last_versions = {v.sid: v.version for v in values}
+            last_versions, wrapper_versions = self.tape.last_versions(), self.tape.last_versions(wrappers=True)
         for handle in self._saved:
-            handle.settle(self.tape, last_versions)
+            handle.settle(self.tape, wrapper_versions if values[handle.vid].wrapper else last_versions)
         self._saved = []
         # Outside the mode a detach shares the original's version counter (invariant 7).
         seen = self._held_versions if plan is not None else None

@@ -44,7 +44,8 @@ class Ref:
 class Value:
     """One tensor version on the tape: where it came from and what it costs to hold."""
 
-    __slots__ = ("vid", "op", "slot", "kind", "version", "sid", "nbytes", "shape", "dtype", "reads", "free")
+    __slots__ = ("vid", "op", "slot", "kind", "version", "sid", "nbytes", "shape", "dtype", "reads", "free",
+                 "wrapper")
 
     def __init__(self, vid: int, op: int, slot: int, kind: int, version: int, sid: int,
                  nbytes: int, shape: tuple, dtype: torch.dtype, free: bool) -> None:
@@ -66,6 +67,9 @@ class Value:
         """How many times autograd saved this value for backward."""
         self.free = free
         """Aliases an external's storage (a view of a parameter): holding it costs no bytes."""
+        self.wrapper = False
+        """A DTensor: it shares its shard's storage id but has a version counter of its own, which
+        writes through the shard do not move (recorder invariant 8)."""
 
 
 class TapeOp:
@@ -137,6 +141,11 @@ class Tape:
     def position(self, vid: int) -> tuple[int, int]:
         v = self.values[vid]
         return (v.op, v.slot)
+
+    def last_versions(self, wrappers: bool = False) -> dict[int, int]:
+        """sid -> version of the last value recorded in that storage, among plain tensors (or
+        among DTensors, ``wrappers``): the two kinds keep separate version counters."""
+        return {v.sid: v.version for v in self.values if v.wrapper == wrappers}
 
     def read_vids(self) -> list[int]:
         """Values autograd saved for backward."""

@@ -456,6 +456,53 @@ def _pointwise(blk, k, rng):
     return fn
 
 
+_MESH: list = []
+"""The one-rank device mesh of the DTensor steps, while a program that uses it runs."""
+
+
+def _mesh():
+    """A one-rank gloo mesh, made by :func:`run_program` for a program with DTensor steps and taken
+    down again after it, so no other test in the process sees a process group."""
+    if not _MESH:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _MESH.append(init_device_mesh("cpu", (1,)))
+    return _MESH[0]
+
+
+def _close_mesh() -> None:
+    if _MESH:
+        import torch.distributed as dist
+
+        _MESH.clear()
+        dist.destroy_process_group()
+
+
+def _dtensor(blk, k, rng):
+    """DTensor code that builds and reads DTensors outside the dispatcher (recorder invariant 8)."""
+    variant = rng.choice(["to_from_local", "shard_write", "redistribute"])
+    blk.feature("dtensor:" + variant)
+    w = blk.param(k + "w", D, D)
+
+    def fn(h, env):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = _mesh()
+        if variant == "redistribute":  # Shard(1) -> Replicate: a functional all-gather
+            d = DTensor.from_local(h, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+            return h + (torch.relu(d) * d).to_local() @ getattr(blk, w)
+        d = DTensor.from_local(h @ getattr(blk, w), mesh, [Replicate()], run_check=False)
+        if variant == "to_from_local":
+            return h + (torch.tanh(d) * d).to_local()
+        a = torch.sigmoid(d)  # saves its output
+        with torch.no_grad():  # writes d's shard; d's own version counter does not move
+            d.to_local().mul_(2.0)
+        return (a * d).to_local()  # saves a and d as it is now
+    return fn
+
+
 def _illegal_inplace(blk, k, rng):
     """A block plain autograd rejects: an output saved by exp is then written in place."""
     blk.feature("illegal_inplace")
@@ -487,6 +534,7 @@ BUILDERS: dict[str, tuple[Callable, float]] = {
     "dead_branch": (_dead_branch, 0.8),
     "pointwise": (_pointwise, 0.8),
     "illegal_inplace": (_illegal_inplace, 0.05),
+    "dtensor": (_dtensor, 0.4),
 }
 """Step kind -> (builder, relative weight of drawing it)."""
 
@@ -653,6 +701,7 @@ def all_features() -> list[str]:
     names |= {"custom_fn:saves_inputs", "custom_fn:saves_output"}
     names |= {"unused_op_output:" + v for v in ["max_indices", "var_mean_var", "sort_values", "aminmax"]}
     names |= {"dead:dropped", "dead:no_grad_stats", "dead:to_aux"}
+    names |= {"dtensor:" + v for v in ["to_from_local", "shard_write", "redistribute"]}
     return sorted(names)
 
 
@@ -927,6 +976,8 @@ def run_program(seed: int, loop: str, wrapped: bool,
                 skip: frozenset[str] = frozenset()) -> tuple[dict, list[str]]:
     """Build program ``seed`` and run ``loop`` on it, plain or with TapeSAC: (results, notes)."""
     model = FuzzModel(seed, skip)
+    if any(f.startswith("dtensor:") for f in model.features):
+        _mesh()  # before the first forward: a mesh made inside it would be on that forward's tape
     handle = tapesac.wrap(list(model.blocks)) if wrapped else None
     run = _Run(model, handle, seed)
     try:
@@ -935,6 +986,7 @@ def run_program(seed: int, loop: str, wrapped: bool,
     finally:
         if handle is not None:
             handle.remove()
+        _close_mesh()
     return run.results, run.notes
 
 
