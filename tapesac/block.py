@@ -159,9 +159,10 @@ class BlockState:
             key = self.compiled.policy_for(self)
             if key is not None:  # compiled mode, under a plan whose program was recorded
                 out = self.compiled.forward(self, key, args, kwargs)
-                self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
-                                  input_bytes=0, recomputed_bytes=0, compiled=True,
-                                  passthrough=self.passthrough)
+                # Nothing recorded: the kept bytes are the plan's (what the compiled forward saves).
+                self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0,
+                                  kept_bytes=self.compiled.kept_bytes(self, key), input_bytes=0,
+                                  recomputed_bytes=0, compiled=True, passthrough=self.passthrough)
                 if self.controller is not None:
                     self.controller.after_forward(self, None)
                 return out

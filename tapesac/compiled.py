@@ -199,6 +199,11 @@ class CompiledRunner:
         self._policies[key] = TapePolicy(state.index, tape, entry.keep)
         return key
 
+    def kept_bytes(self, state: Any, key: Any) -> int:
+        """Bytes the plan keeps for ``state`` under ``key`` (0 after a fall back to full AC)."""
+        entry = state._policy_entry
+        return 0 if key == "recompute-all" or entry is None else int(entry.kept_bytes)
+
     def forward(self, state: Any, key: Any, args: tuple, kwargs: dict) -> Any:
         fns = self._compiled.get((state.index, key))
         if fns is None:
