@@ -24,7 +24,7 @@ Invariants (cited as "compiled invariant N" where they are kept):
    the tape) are saved in every plan, as in eager mode, so the plan's memory model holds.
 
 Memory is checked like eager mode's: the step after a plan is applied is measured and re-planned
-when over the limit. On CUDA the allocator measures the compiled step. On CPU the storage
+when over the limit. On CUDA the allocator measures the compiled step (not yet run on a GPU). On CPU the storage
 counter is a dispatch mode, under which dynamo runs frames eagerly: a measured CPU step runs the
 same SAC policy eagerly (the same saved set; eager kernels' transients).
 """
