@@ -79,6 +79,9 @@ class TapeSACHandle:
             self.planner.close()
         for s in self.blocks:
             s.uninstall()
+            if s.compiled is not None:  # its compiled functions hold the modules' forwards
+                s.compiled.clear()
+                s.compiled = None
         self._removed = True
 
 

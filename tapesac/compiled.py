@@ -15,18 +15,23 @@ Invariants (cited as "compiled invariant N" where they are kept):
 2. A broken policy warns once, naming the block and the first op that differs, and the block
    runs full activation checkpointing from its next forward on (every op recomputed: the lowest
    memory there is). SAC's choices decide memory only, never values: the forward that found the
-   departure is still exact, it may just save what it saved before the departure.
+   departure is still exact, it may just save what it saved before the departure. A plan the
+   backend fails to compile (inductor on CPU has been seen to fail on a saved multi-output
+   attention op) is broken too, and that very forward runs full AC instead.
 3. Each policy compiles its own code object. Dynamo caches compiled graphs per code object and
    does not guard on ``context_fn``, so blocks sharing one code object would silently share the
    first one's saved set. Blocks with the same policy (tape signature and keep set) share one.
 4. Counters start at zero in every ``context_fn`` call (one per forward, one per trace).
 5. Ops TapeSAC never replays (collectives, data-dependent and effectful ops, ``keep_only`` on
    the tape) are saved in every plan, as in eager mode, so the plan's memory model holds.
+6. A kept value whose storage the block writes in place later is recomputed, not saved: SAC
+   holds the tensor itself (no snapshot as eager TapeSAC takes), and refuses a saved tensor that
+   changed. Such a block saves less than its plan.
 
 Memory is checked like eager mode's: the step after a plan is applied is measured and re-planned
-when over the limit. On CUDA the allocator measures the compiled step (not yet run on a GPU). On CPU the storage
-counter is a dispatch mode, under which dynamo runs frames eagerly: a measured CPU step runs the
-same SAC policy eagerly (the same saved set; eager kernels' transients).
+when over the limit. On CUDA the allocator measures the compiled step (not yet run on a GPU). On
+CPU the storage counter is a dispatch mode, under which dynamo runs frames eagerly: a measured CPU
+step runs the same SAC policy eagerly (the same saved set; eager kernels' transients).
 """
 
 from __future__ import annotations
@@ -69,13 +74,17 @@ class TapePolicy:
     def __init__(self, block: int, tape: Tape, keep: frozenset | set) -> None:
         self.block = block
         kept_ops = {op for op, _slot in keep}
+        # SAC cannot save a tensor that the block later writes in place (eager SAC raises in
+        # backward): such values are recomputed instead, less memory than the plan (invariant 6).
+        written = {tape.values[before].sid for op in tape.ops for before, _after in op.writes}
         self.expected: list[Any] = []
         self.save: list[bool] = []
         for i, op in enumerate(tape.ops):
             if op.func in SAC_IGNORED_OPS:
                 continue
             self.expected.append(op.func)
-            self.save.append(i in kept_ops or op.keep_only is not None)
+            overwritten = any(v is not None and tape.values[v].sid in written for v in op.outs)
+            self.save.append(op.keep_only is not None or (i in kept_ops and not overwritten))
         self.passes = 0
         self._runs: list[list] = []
         """Per pass not yet checked: [ops seen, first departure or None]."""
@@ -157,6 +166,21 @@ def _own_code(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [torch._dynamo.exc.BackendCompilerFailed]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return tuple(errors)
+
+
+_COMPILE_ERRORS = _compile_errors()
+"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it)."""
+
+
 def _dispatch_mode_active() -> bool:
     """A dispatch mode dynamo would decline to compile under is on the stack."""
     return any_torch_dispatch_mode_on_stack()
@@ -199,6 +223,12 @@ class CompiledRunner:
         self._policies[key] = TapePolicy(state.index, tape, entry.keep)
         return key
 
+    def clear(self) -> None:
+        """Drop every compiled function (``handle.remove()``): they hold the blocks' forwards."""
+        self._compiled.clear()
+        self._policies.clear()
+        self._codes.clear()
+
     def kept_bytes(self, state: Any, key: Any) -> int:
         """Bytes the plan keeps for ``state`` under ``key`` (0 after a fall back to full AC)."""
         entry = state._policy_entry
@@ -211,7 +241,17 @@ class CompiledRunner:
         policy = self._policies.get(key)
         # Dynamo declines frames entered under a dispatch mode (a CPU storage counter measuring
         # the step) and remembers to skip that code for good: run the same policy eagerly then.
-        out = fns[1 if _dispatch_mode_active() else 0](*args, **kwargs)
+        try:
+            out = fns[1 if _dispatch_mode_active() else 0](*args, **kwargs)
+        except _COMPILE_ERRORS as e:
+            if key == "recompute-all":
+                raise
+            # Compilation fails before anything runs: nothing of this forward happened yet.
+            first_line = (str(e).strip().splitlines() or [""])[0][:200]
+            self._break(state.index, key, f"compiling it failed: {type(e).__name__}: {first_line}")
+            if isinstance(policy, TapePolicy):
+                policy.check()  # forget the failed trace's passes
+            return self.forward(state, "recompute-all", args, kwargs)
         if isinstance(policy, TapePolicy):
             departure = policy.check()
             if departure is not None:
@@ -235,13 +275,16 @@ class CompiledRunner:
 
     def _break(self, block: int, key: Any, departure: str) -> None:
         self.broken[key] = departure
-        warnings.warn(
-            f"TapeSAC block {block}: the compiled trace does not run the ops of the block's tape "
-            f"({departure}), so the plan's tape positions cannot be mapped onto it; the block runs "
-            "full activation checkpointing from now on (recompute everything). Graph breaks or a "
-            "program that differs under compile cause this: compile without graph breaks "
-            "(fullgraph=True shows where), or use eager TapeSAC for this model",
-            MappingWarning, stacklevel=3,
-        )
-        log.warning("TapeSAC block %d: compiled trace departs from the tape (%s); full AC from now on",
+        if departure.startswith("compiling it failed"):
+            what = (f"its plan could not be compiled ({departure}); the block runs full activation "
+                    "checkpointing from now on (recompute everything). Use eager TapeSAC for this "
+                    "model to run the plan itself")
+        else:
+            what = (f"the compiled trace does not run the ops of the block's tape ({departure}), so "
+                    "the plan's tape positions cannot be mapped onto it; the block runs full "
+                    "activation checkpointing from now on (recompute everything). Graph breaks or "
+                    "a program that differs under compile cause this: compile without graph "
+                    "breaks (fullgraph=True shows where), or use eager TapeSAC for this model")
+        warnings.warn(f"TapeSAC block {block}: {what}", MappingWarning, stacklevel=3)
+        log.warning("TapeSAC block %d: the plan does not run compiled as made (%s); full AC from now on",
                     block, departure)

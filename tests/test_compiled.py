@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tapesac
 from tapesac.autoplan import PlanConfig
-from tapesac.compiled import MappingWarning
+from tapesac.compiled import MappingWarning, TapePolicy
 from tapesac.errors import WrapError
 from tapesac.policy import BlockPolicy, Policy
 
@@ -193,3 +193,31 @@ def test_compile_settings_are_checked_when_wrapping():
     model.layers[0].compile()
     with pytest.raises(WrapError, match=r"compile=True"):
         tapesac.wrap(model.layers)
+
+
+class InplaceBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(2)
+        return torch.tanh(y) * x
+
+
+def test_a_kept_value_written_in_place_later_is_recomputed_not_saved():
+    torch.manual_seed(0)
+    block, x = InplaceBlock(), torch.randn(4, 8, requires_grad=True)
+    tape = recorded_tape(block, x)
+    keep_all = {tape.position(v.vid) for v in tape.values if v.op >= 0}
+    policy = TapePolicy(0, tape, keep_all)
+    saved = dict(zip(map(str, policy.expected), policy.save))
+    # addmm's output is written by mul_ afterwards: SAC would refuse it in backward ("Tensor
+    # cached during selective activation checkpoint has been mutated"), so neither is saved.
+    assert saved == {"aten.t.default": True, "aten.addmm.default": False, "aten.mul_.Tensor": False,
+                     "aten.tanh.default": True, "aten.mul.Tensor": True}
+    expected = torch.autograd.grad(block(x).sum(), x)[0]
+    out = checkpoint(block, x, use_reentrant=False, context_fn=policy.context_fn)  # eager SAC
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], expected)
+    assert policy.check() is None
