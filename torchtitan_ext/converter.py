@@ -56,6 +56,11 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
                 "plan, and replay-only runs eagerly. Set tapesac.mode = \"plan\", or compile only the "
                 "loss (compile.components = [\"loss\"])"
             )
+        if cfg.debug:
+            raise ConfigError(
+                "compile.enable with tapesac.debug = true: debug mode checks eager replay, and compiled "
+                "blocks do not replay. Set tapesac.debug = false, or compile only the loss"
+            )
         par = job_config.parallelism
         others = [f"parallelism.{name} = {getattr(par, name)}" for name in
                   ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree")
