@@ -91,10 +91,6 @@ class TapePolicy:
         self.departure: str | None = None
         self.context_fn = self._make_context_fn()
 
-    @property
-    def saved_ops(self) -> int:
-        return sum(self.save)
-
     def _make_context_fn(self) -> Callable[[], tuple]:
         # A plain closure: dynamo calls context_fn without a bound self.
         policy = self
