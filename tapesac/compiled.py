@@ -48,7 +48,6 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
-
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from .tape import Tape
@@ -65,7 +64,7 @@ class MappingWarning(UserWarning):
 
 
 class TapePolicy:
-    """One block's keep set as a checked SAC policy (compiled invariants 1, 4 and 5).
+    """One block's keep set as a checked SAC policy (compiled invariants 1, 4, 5 and 6).
 
     ``expected`` is the op stream SAC sees, ``save`` the decision per position. ``passes`` counts
     the passes seen (``context_fn`` calls); :meth:`check` reads the passes finished since the
@@ -88,7 +87,6 @@ class TapePolicy:
         self.passes = 0
         self._runs: list[list] = []
         """Per pass not yet checked: [ops seen, first departure or None]."""
-        self.departure: str | None = None
         self.context_fn = self._make_context_fn()
 
     def _make_context_fn(self) -> Callable[[], tuple]:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import tapesac
-from tapesac.autoplan import PlanConfig
 from tapesac.compiled import MappingWarning, TapePolicy
 from tapesac.errors import WrapError
 from tapesac.policy import BlockPolicy, Policy
