@@ -206,6 +206,7 @@ def test_two_rank_fsdp_compiled_run_fits_its_limit_and_matches_compile_without_a
     (["--compile.enable", "--tapesac.mode", "replay_only"], "TapeSAC compiles a block only under a plan"),
     (["--compile.enable", "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
      "runs under FSDP2 and data parallelism only"),
+    (["--compile.enable", "--tapesac.debug"], "debug mode checks eager replay"),
     (["--parallelism.context_parallel_degree", "2"], "set parallelism.context_parallel_degree = 1"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
      "set parallelism.pipeline_parallel_schedule to one of those"),
