@@ -79,11 +79,15 @@ class TapeSACHandle:
             self.planner.close()
         for s in self.blocks:
             s.uninstall()
+            if s.compiled is not None:  # its compiled functions hold the modules' forwards
+                s.compiled.clear()
+                s.compiled = None
         self._removed = True
 
 
 def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes: int | None = None,
-         plan_config: Any = None, debug: bool = False) -> TapeSACHandle:
+         plan_config: Any = None, debug: bool = False, compile: bool = False,
+         compile_options: dict[str, Any] | None = None) -> TapeSACHandle:
     """Wrap ``blocks`` in place so their activations are recomputed by targeted replay.
 
     By default nothing a block produces is kept: backward holds only the block's inputs and
@@ -94,6 +98,14 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
     the first steps are profiled, a plan keeping what pays most under that step-peak limit is
     solved and applied, and the next step is measured against it (``handle.plan``,
     ``handle.frontier()``). ``debug`` compares every recomputed value with the forward's.
+
+    ``compile=True`` (compiled mode, ``tapesac.compiled``): forwards without a plan (warm-up,
+    profiling, replay-only) record eagerly as above; a forward under a plan runs as
+    ``torch.compile(checkpoint(forward))`` with a selective-checkpointing policy that saves
+    exactly the plan's kept values, checked op by op against the block's tape (a compiled trace
+    that departs from it warns and falls back to full activation checkpointing).
+    ``compile_options`` are ``torch.compile``'s keyword arguments (``backend``, ``mode``, ...).
+    Gradients are then compiled numerics, not bit-identical to eager.
     """
     blocks = list(blocks)
     if not blocks:
@@ -119,8 +131,8 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
             )
         if getattr(b, "_compiled_call_impl", None) is not None:
             raise WrapError(
-                f"block {i} was compiled with module.compile(); TapeSAC records eager ops. Compile "
-                "inside the block's submodules or not at all"
+                f"block {i} was compiled with module.compile(); TapeSAC records eager ops and "
+                "compiles blocks itself: pass the block uncompiled with tapesac.wrap(..., compile=True)"
             )
     ids = {id(b): i for i, b in enumerate(blocks)}
     for i, b in enumerate(blocks):
@@ -130,7 +142,17 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
                     f"block {ids[id(sub)]} is nested inside block {i} (as '{name}'); wrap either "
                     "the outer or the inner blocks, not both"
                 )
+    if compile_options is not None and not compile:
+        raise WrapError("compile_options given without compile=True")
+    if compile and debug:
+        raise WrapError("debug=True checks eager replay; it cannot check compiled forwards: pick one")
     states = [BlockState(i, b, debug=debug) for i, b in enumerate(blocks)]
+    if compile:
+        from .compiled import CompiledRunner
+
+        runner = CompiledRunner(compile_options)
+        for s in states:
+            s.compiled = runner
     for s in states:
         s.install()
     handle = TapeSACHandle(states)

@@ -74,6 +74,7 @@ class BlockState:
         self.stats: dict[str, Any] = {
             "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
             "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
+            "compiled": False,
         }
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
@@ -84,6 +85,9 @@ class BlockState:
         """Forward hooks on the FSDP2 units nested inside the block (recorder invariant 9);
         None until the first recorded forward (FSDP2 may be applied after wrapping)."""
         """The Tape of the last recorded forward (plain data, no tensors)."""
+        self.compiled = None
+        """Compiled mode: the :class:`~tapesac.compiled.CompiledRunner` that runs this block under
+        its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
 
     def _mismatch(self, what: str) -> None:
         """This forward's program is not the one the policy was made for: planned mode drops the
@@ -180,6 +184,17 @@ class BlockState:
             )
         if self.controller is not None:
             self.controller.before_forward(self, args, kwargs)
+        if self.compiled is not None:
+            key = self.compiled.policy_for(self)
+            if key is not None:  # compiled mode, under a plan whose program was recorded
+                out = self.compiled.forward(self, key, args, kwargs)
+                # Nothing recorded: the kept bytes are the plan's (what the compiled forward saves).
+                self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0,
+                                  kept_bytes=self.compiled.kept_bytes(self, key), input_bytes=0,
+                                  recomputed_bytes=0, compiled=True, passthrough=self.passthrough)
+                if self.controller is not None:
+                    self.controller.after_forward(self, None)
+                return out
         # A pass-through block runs as plain autograd (its policy keeps everything backward reads,
         # so its gradients are exact whatever the program). Its program only decides its memory:
         # it is checked against the policy's (a hashing dispatch mode, O(ops)) in the steps whose
@@ -243,6 +258,7 @@ class BlockState:
         replayer.stats = self.stats
         s = self.stats
         s["passthrough"] = False
+        s["compiled"] = False
         s["followed"] = rec.followed
         s["ops_recorded"] = len(tape.ops)
         s["ops_in_closure"] = len(replayer.closure_ops)

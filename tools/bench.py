@@ -10,8 +10,9 @@ machine hits all alike; ratios are medians of per-round ratios.
 
 Policies: no AC; torchtitan full AC (early_stop False as torchtitan sets it, and True);
 torchtitan selective op SAC and per-layer SAC (every 2nd layer); torch.compile with the
-activation memory budget; TapeSAC replay-only; TapeSAC planned at limits spanning full-AC to
-no-AC memory (at full AC's peak, op SAC's, the midpoint, three quarters, no AC's).
+activation memory budget, and without AC; TapeSAC replay-only; TapeSAC planned at limits spanning
+full-AC to no-AC memory (at full AC's peak, op SAC's, the midpoint, three quarters, no AC's); and
+TapeSAC+compile (compiled mode: eager plan, compiled blocks) at the midpoint and three quarters.
 
 Memory is the step peak of one profiled step per policy after warm-up, from the CPU allocator's
 events (parameters, gradients, optimizer state, activations, batch); for eager code it equals the
@@ -98,10 +99,21 @@ BASELINES: list[tuple[str, list[str]]] = [
 ]
 
 
+COMPILE_MODEL = ["--compile.enable", "--compile.components", "model"]
+
+
 def compile_policies(budgets: list[float]) -> list[tuple[str, list[str]]]:
-    return [(f"compile budget {b}", ["--activation_checkpoint.mode", "memory_budget",
-                                     "--activation_checkpoint.memory_budget", str(b),
-                                     "--compile.enable", "--compile.components", "model"]) for b in budgets]
+    """torch.compile without AC (the reference of TapeSAC+compile's numerics), then with the
+    activation memory budget; none without budgets."""
+    if not budgets:
+        return []
+    return [("compile no AC", ["--activation_checkpoint.mode", "none", *COMPILE_MODEL])] + [
+        (f"compile budget {b}", ["--activation_checkpoint.mode", "memory_budget",
+                                 "--activation_checkpoint.memory_budget", str(b), *COMPILE_MODEL]) for b in budgets]
+
+
+TAPESAC_COMPILE_LIMITS = ("midpoint", "3/4")
+"""Limits at which TapeSAC+compile (compiled mode) is measured, beside the compile budgets."""
 
 
 @dataclasses.dataclass
@@ -175,7 +187,16 @@ class Runner:
         if tapesac:
             self.converter = TapeSACConverter(cfg, pd)
             self.converter.convert(model)
-        model = train_spec.parallelize_fn(model, pd, cfg)
+        # torchtitan's memory_budget mode sets torch.compile's activation budget process-wide,
+        # and compilation happens later, in the first steps: each runner compiles under its own.
+        functorch_config = torch._functorch.config
+        default_budget = functorch_config.activation_memory_budget
+        functorch_config.activation_memory_budget = 1.0
+        try:
+            model = train_spec.parallelize_fn(model, pd, cfg)
+            self.memory_budget = functorch_config.activation_memory_budget
+        finally:
+            functorch_config.activation_memory_budget = default_budget
         if SETUP.fsdp:
             _fully_shard(model)
         model.to_empty(device=SETUP.device)
@@ -193,16 +214,17 @@ class Runner:
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         tokens, labels = batch
-        _sync()
-        t0 = CLOCK()
-        pred = self.model(tokens)
-        loss = self.loss_fn(pred, labels) / labels.numel()
-        del pred
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        _sync()
-        return CLOCK() - t0
+        with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
+            _sync()
+            t0 = CLOCK()
+            pred = self.model(tokens)
+            loss = self.loss_fn(pred, labels) / labels.numel()
+            del pred
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            _sync()
+            return CLOCK() - t0
 
     def peak(self, batch) -> int:
         """Step peak from the CPU allocator's own events (torch.profiler memory profiling): the
@@ -274,13 +296,17 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
     from tapesac.errors import PlanError
     from torchtitan_ext.errors import TapeSACExit
 
-    for where, limit in limits.items():
-        name = f"TapeSAC @ {where} peak"
+    planned = [(f"TapeSAC @ {where} peak", limit, []) for where, limit in limits.items()]
+    if compile_budgets:  # compiled mode beside torch.compile's budgets
+        planned += [(f"TapeSAC+compile @ {where} peak", limits[where], COMPILE_MODEL) for where in TAPESAC_COMPILE_LIMITS]
+    for name, limit, extra in planned:
         log(f"  planning {name}: limit {limit / 2**20:.1f} MiB")
-        r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", f"{limit / 2**30:.9f}"], tapesac=True)
+        r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", f"{limit / 2**30:.9f}", *extra],
+                   tapesac=True)
         r.limit_bytes = r.converter.limit_bytes
         try:
-            for i in range(4):  # warm-up, profile, verify (re-plan if needed), planned
+            # warm-up, profile, verify (re-plan if needed), planned (compiled mode: compiles here)
+            for i in range(5 if extra else 4):
                 r.step(batches[i % len(batches)])
         except (PlanError, TapeSACExit) as e:  # below what TapeSAC can reach (replay-only stands for it)
             log(f"  {name}: {getattr(e, 'error', e)}")

@@ -138,9 +138,12 @@ class TapeSACRun:
         self.limit_bytes: int | None = None
 
     def wrap(self, blocks: Sequence[nn.Module], *, model: nn.Module | Sequence[nn.Module], dump_folder: str,
-             model_name: str, stage: PipelineStage | None = None) -> None:
+             model_name: str, stage: PipelineStage | None = None,
+             compile_options: dict[str, Any] | None = None) -> None:
         """Wrap ``blocks`` (on the meta model, before FSDP2) in the settings' mode; ``model`` is
-        what holds them (a model, or a rank's pipeline stages, given as ``stage``)."""
+        what holds them (a model, or a rank's pipeline stages, given as ``stage``).
+        ``compile_options`` (torch.compile's arguments) turns on compiled mode: planned blocks
+        run compiled under their plan (``tapesac.compiled``)."""
         cfg = self.cfg
         dev = device()
         where = f" of pipeline stage {stage.name}" if stage is not None else ""
@@ -173,10 +176,13 @@ class TapeSACRun:
             process_group=stage.group if stage is not None else None,
             policy_meta=meta,
         )
-        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug)
+        compiled = compile_options is not None
+        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug, compile=compiled,
+                                   compile_options=compile_options)
         info(f"TapeSAC: planned mode on {len(blocks)} blocks{where}, step-peak limit {fmt_bytes(limit)} "
              f"per rank ({limit_source(cfg, dev, capacity)}); {cfg.warmup_steps} warm-up step(s) "
-             "replay-only, then one profiled step, then the plan", speaker)
+             "replay-only, then one profiled step, then the plan"
+             + (f", run compiled ({compile_options})" if compiled else ""), speaker)
 
     def metrics(self) -> dict[str, float]:
         """TapeSAC numbers for torchtitan's metrics (TensorBoard, W&B), this rank's."""

@@ -1,0 +1,284 @@
+"""Compiled mode: TapeSAC plans from eager tapes, ``torch.compile`` runs the plan.
+
+A block's plan (the tape positions it keeps) becomes a selective-activation-checkpointing policy
+for ``torch.utils.checkpoint``: the k-th op SAC sees is the tape's k-th op, saved
+(``MUST_SAVE``) when the plan keeps one of its values and recomputed (``PREFER_RECOMPUTE``)
+otherwise. The block then runs as ``torch.compile(checkpoint(forward, context_fn=...))``, so the
+compiled forward saves what the plan keeps and the partitioner recomputes the rest, fused.
+
+Invariants (cited as "compiled invariant N" where they are kept):
+
+1. Positions are checked, never assumed. Every pass of SAC over the block (one per trace under
+   compile, one per forward when it runs eagerly) must see exactly the tape's ops, in order,
+   with the same overloads (ops SAC ignores, ``SAC_IGNORED_OPS``, skipped on both sides). A pass
+   that departs (a graph break, a decomposition, another program) marks the policy broken.
+2. A broken policy warns once, naming the block and the first op that differs, and the block
+   runs full activation checkpointing from its next forward on (every op recomputed: the lowest
+   memory there is). SAC's choices decide memory only, never values: the forward that found the
+   departure is still exact, it may just save what it saved before the departure. A plan the
+   backend fails to compile (inductor on CPU has been seen to fail on a saved multi-output
+   attention op) is broken too, and that very forward runs full AC instead.
+3. Each policy compiles its own code object. Dynamo caches compiled graphs per code object and
+   does not guard on ``context_fn``, so blocks sharing one code object would silently share the
+   first one's saved set. Blocks with the same policy (tape signature and keep set) share one.
+4. Counters start at zero in every ``context_fn`` call (one per forward, one per trace).
+5. Ops TapeSAC never replays (collectives, data-dependent and effectful ops, ``keep_only`` on
+   the tape) are saved in every plan, as in eager mode, so the plan's memory model holds.
+6. A kept value whose storage the block writes in place later is recomputed, not saved: SAC
+   holds the tensor itself (no snapshot as eager TapeSAC takes), and refuses a saved tensor that
+   changed. Such a block saves less than its plan.
+
+Memory is checked like eager mode's: the step after a plan is applied is measured and re-planned
+when over the limit. On CUDA the allocator measures the compiled step (not yet run on a GPU). On
+CPU the storage counter is a dispatch mode, under which dynamo runs frames eagerly: a measured CPU
+step runs the same SAC policy eagerly (the same saved set; eager kernels' transients).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+
+from .tape import Tape
+
+log = logging.getLogger("tapesac")
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class MappingWarning(UserWarning):
+    """A compiled trace of a block did not run the ops of its tape: the block falls back to full
+    activation checkpointing (compiled invariant 2)."""
+
+
+class TapePolicy:
+    """One block's keep set as a checked SAC policy (compiled invariants 1, 4, 5 and 6).
+
+    ``expected`` is the op stream SAC sees, ``save`` the decision per position. ``passes`` counts
+    the passes seen (``context_fn`` calls); :meth:`check` reads the passes finished since the
+    last check and returns a description of the first departure, or None."""
+
+    def __init__(self, block: int, tape: Tape, keep: frozenset | set) -> None:
+        self.block = block
+        kept_ops = {op for op, _slot in keep}
+        # SAC cannot save a tensor that the block later writes in place (eager SAC raises in
+        # backward): such values are recomputed instead, less memory than the plan (invariant 6).
+        written = {tape.values[before].sid for op in tape.ops for before, _after in op.writes}
+        self.expected: list[Any] = []
+        self.save: list[bool] = []
+        for i, op in enumerate(tape.ops):
+            if op.func in SAC_IGNORED_OPS:
+                continue
+            self.expected.append(op.func)
+            overwritten = any(v is not None and tape.values[v].sid in written for v in op.outs)
+            self.save.append(op.keep_only is not None or (i in kept_ops and not overwritten))
+        self.passes = 0
+        self._runs: list[list] = []
+        """Per pass not yet checked: [ops seen, first departure or None]."""
+        self.context_fn = self._make_context_fn()
+
+    def _make_context_fn(self) -> Callable[[], tuple]:
+        # A plain closure: dynamo calls context_fn without a bound self.
+        policy = self
+
+        def context_fn() -> tuple:
+            run = [0, None]  # compiled invariant 4: a fresh counter per pass
+            policy._runs.append(run)
+            policy.passes += 1
+            return create_selective_checkpoint_contexts(lambda ctx, func, *a, **k: policy._decide(run, func))
+
+        return context_fn
+
+    def _decide(self, run: list, func: Any) -> CheckpointPolicy:
+        k = run[0]
+        run[0] += 1
+        if run[1] is not None:
+            return PREFER_RECOMPUTE
+        if k >= len(self.expected):
+            run[1] = f"op {k} is {func}, past the tape's {len(self.expected)} ops"
+            return PREFER_RECOMPUTE
+        if func != self.expected[k]:
+            run[1] = f"op {k} is {func} where the tape has {self.expected[k]}"
+            return PREFER_RECOMPUTE
+        return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
+
+    def check(self) -> str | None:
+        """The first departure among the passes finished since the last check (compiled
+        invariant 1), or None. Call it between forwards, never inside one."""
+        runs, self._runs = self._runs, []
+        for seen, departure in runs:
+            if departure is None and seen != len(self.expected):
+                departure = f"the trace ran {seen} ops, the tape has {len(self.expected)}"
+            if departure is not None:
+                return departure
+        return None
+
+
+class _RecomputeAll:
+    """Full activation checkpointing as a SAC policy: the fallback of compiled invariant 2."""
+
+    def __init__(self) -> None:
+        def context_fn() -> tuple:
+            return create_selective_checkpoint_contexts(lambda ctx, func, *a, **k: PREFER_RECOMPUTE)
+
+        self.context_fn = context_fn
+
+    def check(self) -> None:
+        return None
+
+
+def _checkpointed(forward: Callable, context_fn: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def _plain(forward: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """``fn`` with a code object of its own (compiled invariant 3)."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name) if hasattr(fn.__code__, "co_qualname") \
+        else fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [torch._dynamo.exc.BackendCompilerFailed]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return tuple(errors)
+
+
+_COMPILE_ERRORS = _compile_errors()
+"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it)."""
+
+
+def _dispatch_mode_active() -> bool:
+    """A dispatch mode dynamo would decline to compile under is on the stack."""
+    return any_torch_dispatch_mode_on_stack()
+
+
+class CompiledRunner:
+    """Runs wrapped blocks compiled under their plans; one per :func:`tapesac.wrap` call.
+
+    Keeps one code object per policy (compiled invariant 3) and, per block, the compiled
+    function of the policy it runs under. ``options`` are ``torch.compile``'s keyword arguments
+    (backend, mode, dynamic, fullgraph)."""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+        self._codes: dict[Any, types.CodeType] = {}
+        """Policy key -> the code object its compiled functions share."""
+        self._policies: dict[Any, Any] = {}
+        """Policy key -> its TapePolicy (or the recompute-all fallback), shared by blocks."""
+        self._compiled: dict[tuple[int, Any], tuple[Callable, Callable]] = {}
+        """(block index, policy key) -> that block's compiled function and its eager twin."""
+        self.broken: dict[Any, str] = {}
+        """Policy key -> the departure that broke it (compiled invariant 2)."""
+
+    def policy_for(self, state: Any) -> Any:
+        """The policy key ``state`` runs compiled under, or None when it must run eagerly (no
+        plan, a profiling forward, or no tape of the plan's program recorded yet)."""
+        entry = state._policy_entry
+        if entry is None or state.timer is not None:
+            return None
+        if entry.passthrough:
+            return ("passthrough", entry.signature)
+        key = (entry.signature, frozenset(entry.keep))
+        if key in self.broken:
+            return "recompute-all"
+        if key in self._policies:
+            return key
+        tape = state.last_tape
+        if tape is None or tape.signature() != entry.signature:
+            return None  # the next eager forward records the plan's program
+        self._policies[key] = TapePolicy(state.index, tape, entry.keep)
+        return key
+
+    def clear(self) -> None:
+        """Drop every compiled function (``handle.remove()``): they hold the blocks' forwards."""
+        self._compiled.clear()
+        self._policies.clear()
+        self._codes.clear()
+
+    def kept_bytes(self, state: Any, key: Any) -> int:
+        """Bytes the plan keeps for ``state`` under ``key`` (0 after a fall back to full AC)."""
+        entry = state._policy_entry
+        return 0 if key == "recompute-all" or entry is None else int(entry.kept_bytes)
+
+    def forward(self, state: Any, key: Any, args: tuple, kwargs: dict) -> Any:
+        fns = self._compiled.get((state.index, key))
+        if fns is None:
+            fns = self._compiled[(state.index, key)] = self._compile(state, key)
+        policy = self._policies.get(key)
+        # Dynamo declines frames entered under a dispatch mode (a CPU storage counter measuring
+        # the step) and remembers to skip that code for good: run the same policy eagerly then.
+        try:
+            out = fns[1 if _dispatch_mode_active() else 0](*args, **kwargs)
+        except _COMPILE_ERRORS as e:
+            if key == "recompute-all":
+                raise
+            # Compilation fails before anything runs: nothing of this forward happened yet.
+            first_line = (str(e).strip().splitlines() or [""])[0][:200]
+            self._break(state.index, key, f"compiling it failed: {type(e).__name__}: {first_line}")
+            if isinstance(policy, TapePolicy):
+                policy.check()  # forget the failed trace's passes
+            return self.forward(state, "recompute-all", args, kwargs)
+        if isinstance(policy, TapePolicy):
+            departure = policy.check()
+            if departure is not None:
+                self._break(state.index, key, departure)
+        return out
+
+    def _compile(self, state: Any, key: Any) -> Callable:
+        if key == "recompute-all":
+            policy = self._policies.setdefault(key, _RecomputeAll())
+            fn = _checkpointed(state.original_forward, policy.context_fn)
+        elif key[0] == "passthrough":
+            fn = _plain(state.original_forward)
+        else:
+            fn = _checkpointed(state.original_forward, self._policies[key].context_fn)
+        code = self._codes.get(key)
+        if code is None:
+            name = f"tapesac_block{state.index}_policy{len(self._codes)}"
+            code = self._codes[key] = _own_code(fn, name).__code__
+        own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        return torch.compile(own, **self.options), fn
+
+    def _break(self, block: int, key: Any, departure: str) -> None:
+        self.broken[key] = departure
+        if departure.startswith("compiling it failed"):
+            what = (f"its plan could not be compiled ({departure}); the block runs full activation "
+                    "checkpointing from now on (recompute everything). Use eager TapeSAC for this "
+                    "model to run the plan itself")
+        else:
+            what = (f"the compiled trace does not run the ops of the block's tape ({departure}), so "
+                    "the plan's tape positions cannot be mapped onto it; the block runs full "
+                    "activation checkpointing from now on (recompute everything). Graph breaks or "
+                    "a program that differs under compile cause this: compile without graph "
+                    "breaks (fullgraph=True shows where), or use eager TapeSAC for this model")
+        warnings.warn(f"TapeSAC block {block}: {what}", MappingWarning, stacklevel=3)
+        log.warning("TapeSAC block %d: the plan does not run compiled as made (%s); full AC from now on",
+                    block, departure)
