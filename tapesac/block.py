@@ -79,12 +79,12 @@ class BlockState:
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
         self.last_tape = None
+        """The Tape of the last recorded forward (plain data, no tensors)."""
         self._recorder: Recorder | None = None
         """The recorder of the forward running now, for the hooks on nested FSDP2 units."""
         self._unit_hooks: list | None = None
         """Forward hooks on the FSDP2 units nested inside the block (recorder invariant 9);
         None until the first recorded forward (FSDP2 may be applied after wrapping)."""
-        """The Tape of the last recorded forward (plain data, no tensors)."""
         self.compiled = None
         """Compiled mode: the :class:`~tapesac.compiled.CompiledRunner` that runs this block under
         its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
