@@ -34,3 +34,34 @@ def run_ranks(target, *args, world: int = 2, timeout_s: float = 300) -> dict[int
             if p.is_alive():
                 p.kill()
     return results
+
+
+def in_ranks(body, *args, world: int = 2, timeout_s: float = 300) -> dict[int, dict]:
+    """Run ``body(rank, world, *args) -> dict`` on ``world`` gloo ranks (one thread each) and
+    return each rank's dict, by rank. A rank whose body raised fails the caller with its
+    traceback. ``body`` must be a module-level function (it is pickled by name)."""
+    results = run_ranks(_rank_main, body, *args, world=world, timeout_s=timeout_s)
+    for r in results.values():
+        assert "crash" not in r, r["crash"]
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, body, *rest) -> None:
+    import os
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    *args, queue = rest
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result: dict = {}
+    try:
+        result = body(rank, world, *args)
+    except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
+        result = {"crash": traceback.format_exc()}
+    finally:
+        queue.put((rank, result))
+        dist.destroy_process_group()

@@ -9,15 +9,12 @@ unit's output, so replay must not reach into the unit from there: the unit's out
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .net import run_ranks
+from .net import in_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -66,28 +63,15 @@ def _train(mesh, wrapped: bool) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result: dict = {}
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _body(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        result["plain"] = _train(mesh, wrapped=False)
-        result["tapesac"] = _train(mesh, wrapped=True)
-    except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
-        result["crash"] = traceback.format_exc()
-    finally:
-        queue.put((rank, result))
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    return {"plain": _train(mesh, wrapped=False), "tapesac": _train(mesh, wrapped=True)}
 
 
 def test_replay_never_reaches_into_a_nested_fsdp_unit_from_outside():
-    results = run_ranks(_worker)
-    for rank, r in results.items():
-        assert "crash" not in r, r["crash"]
+    for rank, r in in_ranks(_body).items():
         assert r["tapesac"]["losses"] == r["plain"]["losses"], rank
         assert r["tapesac"]["grads"] == r["plain"]["grads"], rank
         assert all(n > 0 for n in r["tapesac"]["replayed"])

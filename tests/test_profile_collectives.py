@@ -4,16 +4,13 @@ measured one (a repeated collective would hold its repeats' buffers in the measu
 
 from __future__ import annotations
 
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .net import run_ranks
+from .net import in_ranks
 
 STEPS = 4  # warm-up, profiled, verified, planned
 
@@ -82,45 +79,34 @@ def _train(model, x, limit_bytes: int | None):
     return handle, losses, counts
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _body(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     result: dict = {}
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
 
-        mesh = init_device_mesh("cpu", (world,))
-        x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+    def model():
+        torch.manual_seed(0)
+        return _tensor_parallel(_Model(), mesh)
 
-        def model():
-            torch.manual_seed(0)
-            return _tensor_parallel(_Model(), mesh)
-
-        _, result["plain_losses"], result["plain_counts"] = _train(model(), x, None)
-        handle, result["losses"], result["counts"] = _train(model(), x, 10**12)
-        result["planned"] = handle.planner.plan is not None
-        # Then a limit inside the frontier: the plan keeps some values (DTensors among them) and
-        # replays the rest.
-        plan = handle.planner.plan
-        limit = int((plan.smallest_peak_bytes + plan.largest_useful_peak_bytes) / 2)
-        tight, result["tight_losses"], result["tight_counts"] = _train(model(), x, limit)
-        result["limit"] = limit
-        result["tight_history"] = tight.planner.history
-        result["tight_kept"] = any(s.keep for s in tight.blocks)
-    except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
-        result["crash"] = traceback.format_exc()
-    finally:
-        queue.put((rank, result))
-        dist.destroy_process_group()
+    _, result["plain_losses"], result["plain_counts"] = _train(model(), x, None)
+    handle, result["losses"], result["counts"] = _train(model(), x, 10**12)
+    result["planned"] = handle.planner.plan is not None
+    # Then a limit inside the frontier: the plan keeps some values (DTensors among them) and
+    # replays the rest.
+    plan = handle.planner.plan
+    limit = int((plan.smallest_peak_bytes + plan.largest_useful_peak_bytes) / 2)
+    tight, result["tight_losses"], result["tight_counts"] = _train(model(), x, limit)
+    result["limit"] = limit
+    result["tight_history"] = tight.planner.history
+    result["tight_kept"] = any(s.keep for s in tight.blocks)
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks() -> dict[int, dict]:
-    results = run_ranks(_worker)
-    for r in results.values():
-        assert "crash" not in r, r["crash"]
-    return results
+    return in_ranks(_body)
 
 
 def test_profiling_runs_each_collective_once_on_every_rank(ranks):

@@ -14,15 +14,12 @@ is on the tape (recorder invariant 8), and functional collectives replay like an
 from __future__ import annotations
 
 import hashlib
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .net import run_ranks
+from .net import in_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -131,32 +128,19 @@ def _train_shard_write(mesh, wrapped: bool) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result: dict = {}
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _body(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        for mode in ("none", "full_ac", "replay_only"):
-            result[mode] = _train_llama(mesh, mode)
-        result["shard_plain"] = _train_shard_write(mesh, wrapped=False)
-        result["shard_tapesac"] = _train_shard_write(mesh, wrapped=True)
-    except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
-        result["crash"] = traceback.format_exc()
-    finally:
-        queue.put((rank, result))
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    result = {mode: _train_llama(mesh, mode) for mode in ("none", "full_ac", "replay_only")}
+    result["shard_plain"] = _train_shard_write(mesh, wrapped=False)
+    result["shard_tapesac"] = _train_shard_write(mesh, wrapped=True)
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks() -> dict[int, dict]:
-    results = run_ranks(_worker)
-    for r in results.values():
-        assert "crash" not in r, r["crash"]
-    return results
+    return in_ranks(_body)
 
 
 def test_replay_only_under_tensor_and_sequence_parallel_is_bit_identical(ranks):
