@@ -112,16 +112,24 @@ def test_micro_batches_with_a_tight_limit_and_a_corrupt_policy_file(tmp_path):
 
 def test_fsdp_with_tensor_parallel_on_four_ranks_plans_once_for_all(tmp_path):
     """FSDP2 x TP2: the tape signatures carry no process-group names, so all four ranks (two TP
-    groups) plan together and apply one policy; losses equal the baseline's to the bit."""
+    groups) plan together and apply one policy at a tight limit; replay-only and planned losses
+    equal the baseline's to the bit. (tools/bench_parallel.py measured 34.7 MiB replay-only and
+    59.2 MiB keeping nearly everything on this job: 0.045 GiB = 46.1 MiB sits between.)"""
     tp = ("--parallelism.tensor_parallel_degree", "2")
+    limit_gib = 0.045
     out, base = run_titan(tmp_path, "tp_base", BASELINE, *tp, nproc=4, steps=4)
     _ok(out)
-    out, records = run_titan(tmp_path, "tp", CONFIG, *tp, "--tapesac.limit_gib", "8", nproc=4, steps=4)
+    out, replay_only = run_titan(tmp_path, "tp_ro", CONFIG, *tp, "--tapesac.mode", "replay_only", nproc=4, steps=4)
+    _ok(out)
+    assert [r["losses"] for r in replay_only] == [r["losses"] for r in base]
+    out, records = run_titan(tmp_path, "tp", CONFIG, *tp, "--tapesac.limit_gib", str(limit_gib), nproc=4, steps=4)
     _ok(out)
     assert [r["losses"] for r in records] == [r["losses"] for r in base]
     assert all(r["planned"] for r in records)
     assert all(r["policy"] == records[0]["policy"] for r in records)
-    assert all(h["measured_peak_bytes"] <= 8 * 2**30 for h in records[0]["history"]) and records[0]["history"]
+    assert any(keep for _i, keep, _s in records[0]["policy"]), "the plan keeps nothing: the limit is not tight"
+    for r in records:
+        assert r["history"] and all(h["measured_peak_bytes"] <= limit_gib * 2**30 for h in r["history"])
 
 
 def assert_tensorboard_has_tapesac_metrics(dump: Path) -> None:
