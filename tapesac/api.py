@@ -49,7 +49,9 @@ class TapeSACHandle:
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per block index: ops recorded in the last forward, ops replayed in the last backward,
         ops in the replay closure, values read by backward, bytes kept (produced by the block),
-        bytes of held inputs, bytes allocated by replay in the last backward, tape signature."""
+        bytes of held inputs, bytes allocated by replay in the last backward, tape signature, and
+        ``off_tape_bytes``: saved tensors no recorded op made, held as they are (0 when TapeSAC saw
+        everything the block's backward reads being made)."""
         return {s.index: dict(s.stats) for s in self.blocks}
 
     def tapes(self) -> dict[int, Any]:

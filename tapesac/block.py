@@ -74,7 +74,7 @@ class BlockState:
         self.stats: dict[str, Any] = {
             "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
             "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
-            "compiled": False,
+            "compiled": False, "off_tape_bytes": 0,
         }
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
@@ -265,6 +265,7 @@ class BlockState:
         s["values_read"] = len(replayer.program.reads)
         s["kept_bytes"] = replayer.kept_bytes()
         s["input_bytes"] = replayer.input_bytes()
+        s["off_tape_bytes"] = rec.off_tape_bytes
         self.last_replayer = weakref.ref(replayer)
         self.last_tape = tape
         return replayer

@@ -91,6 +91,9 @@ def as_dtensor(local: Tensor, spec: Any, placements: str) -> Tensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+_DTENSOR_STEPS = (local_shard, as_dtensor)
+
+
 def _dtensor_parts(t: Tensor) -> tuple[Tensor, Any] | None:
     """(local shard, spec) of a DTensor, None for any other tensor."""
     if type(t) in _PLAIN:
@@ -298,7 +301,10 @@ class FollowPlan:
 
     Not eligible (recorded every time): tapes where replay needs a snapshot (a held value that was
     written in place), with storage aliases (a tensor written through another alias) or with
-    tensor lists passed by keyword; debug mode; profiling. A snapshot replay does not need (a
+    tensor lists passed by keyword; debug mode; profiling. The recorder's DTensor steps
+    (:func:`local_shard`, :func:`as_dtensor`) are followed: a tensor the forward has not seen is
+    the next such step's output when it is that step's shard or DTensor, checked by identity,
+    version, placements and shape (:meth:`Recorder._follow_derive`). A snapshot replay does not need (a
     buffer updated in place, such as MoE load statistics) is not taken when following.
     """
 
@@ -332,7 +338,8 @@ class FollowPlan:
         # A snapshot replay needs is a copy the recorder made before a write: record every time.
         # One it does not need (a buffer updated in place, e.g. MoE load statistics) costs nothing.
         return not any(values[vid].kind == SNAPSHOT for vid in (*program.pinned, *program.kept)) and all(
-            hasattr(op.func, "_schema") and not any(type(a) is not Ref and _has_ref(a) for a in op.kwargs.values())
+            (hasattr(op.func, "_schema") or op.func in _DTENSOR_STEPS)
+            and not any(type(a) is not Ref and _has_ref(a) for a in op.kwargs.values())
             for op in tape.ops)
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
@@ -434,6 +441,13 @@ class Recorder(TorchDispatchMode):
         """Follow mode: op index -> (args, kwargs) where this forward's constants differ."""
         self._held_versions: dict[int, int] = {}
         """Follow mode: vid -> version of the held values (the shared tape's are another forward's)."""
+        self.off_tape_bytes = 0
+        """Bytes of distinct storages autograd saved that are on no tape value (held as they are,
+        never replayable): what TapeSAC could not see being made."""
+        self._off_tape_storages: set[int] = set()
+        self._dtensors: dict[int, tuple[weakref.ref, int]] = {}
+        """Follow mode: vid -> (this forward's DTensor of that value, its shard's version then):
+        for :func:`local_shard` steps, and to see a write through the shard (invariant 8)."""
         ref = weakref.ref(self)
 
         def pack(t: Tensor) -> Any:
@@ -473,13 +487,14 @@ class Recorder(TorchDispatchMode):
             vid = self._refresh(t)
         return vid
 
-    def _note_dtensor(self, vid: int, t: Tensor) -> None:
-        """Register a DTensor value's shard, so a later read of the shard maps to it (invariant 8)."""
+    def _note_dtensor(self, vid: int, t: Tensor, shard_version: int | None = None) -> None:
+        """Register a DTensor value's shard, so a later read of the shard maps to it, with the
+        shard's version while the value is current (now, unless given) (invariant 8)."""
         parts = _dtensor_parts(t)
         if parts is not None:
             local = parts[0]
             self._shards[id(local)] = (weakref.ref(local), weakref.ref(t))
-            self._shard_versions[vid] = local._version
+            self._shard_versions[vid] = local._version if shard_version is None else shard_version
             self.tape.values[vid].wrapper = True
 
     def _derived(self, t: Tensor) -> int | None:
@@ -701,6 +716,9 @@ class Recorder(TorchDispatchMode):
         plan = self._plan
         i = self._i
         step = plan.steps[i] if i < len(plan.steps) else None
+        if step is not None and step.func in _DTENSOR_STEPS:
+            step = self._follow_dtensor_steps(args, kwargs)
+            i = self._i
         if step is None or func is not step.func:
             if not op_info(func).returns_tensor and not op_info(func).write_args:
                 return func(*args, **kwargs)  # never on a tape (``.item()``): nothing to follow
@@ -721,6 +739,8 @@ class Recorder(TorchDispatchMode):
             # A view's own counter still reads 0 here; autograd then shares its base's.
             version = out._version if view_of is None else _version_of(args, view_of, out)
             self._fids[id(out)] = (weakref.ref(out), vid, version)
+            if type(out) not in _PLAIN:
+                self._follow_dtensor(vid, out)
             if step.holds:
                 self._follow_hold(vid, out)
                 self._held_versions[vid] = version
@@ -751,6 +771,8 @@ class Recorder(TorchDispatchMode):
             o = flat[slot]
             # A view's own counter still reads 0 here; autograd then shares its base's.
             fids[id(o)] = (ref(o), vid, o._version if view_of is None else _version_of(args, view_of, o))
+            if type(o) not in _PLAIN:
+                self._follow_dtensor(vid, o)
         for t, bumps in written:
             after = step.after[seen[id(t)]]
             fids[id(t)] = (ref(t), after, t._version + (1 if bumps and not step.info.inplace_view else 0))
@@ -801,7 +823,7 @@ class Recorder(TorchDispatchMode):
         ``seen`` (ops that write) collects id -> vid."""
         ent = self._fids.get(id(a))
         if ent is not None and ent[0]() is a:
-            if ent[1] != vid or a._version != ent[2]:
+            if ent[1] != vid or a._version != ent[2] or type(a) not in _PLAIN and self._stale_dtensor(a, vid):
                 return False
             if seen is not None:
                 seen[id(a)] = vid
@@ -814,6 +836,8 @@ class Recorder(TorchDispatchMode):
         if v.op >= 0 or vid != self._n or a.shape != v.shape or a.dtype != v.dtype:
             return False
         self._fids[id(a)] = (weakref.ref(a), vid, a._version)
+        if type(a) not in _PLAIN:
+            self._follow_dtensor(vid, a)
         self._n = vid + 1
         self._follow_hold(vid, a)
         self._held_versions[vid] = a._version
@@ -822,6 +846,63 @@ class Recorder(TorchDispatchMode):
         if seen is not None:
             seen[id(a)] = vid
         return True
+
+    def _follow_dtensor_steps(self, args: tuple, kwargs: dict) -> "_FollowStep | None":
+        """The tape's next steps are DTensor steps the recorder met at this op's arguments: map
+        them to the arguments they made (in order) and return the step after them, or None when
+        one of them matches no argument (the program departs)."""
+        steps = self._plan.steps
+        # Unseen tensors, and DTensors read again after a write through their shard.
+        candidates = [t for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
+                      if isinstance(t, Tensor)]
+        while self._i < len(steps) and steps[self._i].func in _DTENSOR_STEPS:
+            if not any(self._follow_derive(t) is not None for t in candidates):
+                return None
+        return steps[self._i] if self._i < len(steps) else None
+
+    def _follow_dtensor(self, vid: int, t: Tensor) -> None:
+        parts = _dtensor_parts(t)
+        if parts is not None:
+            self._dtensors[vid] = (weakref.ref(t), parts[0]._version)
+
+    def _stale_dtensor(self, t: Tensor, vid: int) -> bool:
+        """Follow mode: DTensor ``t`` (value ``vid``) was read after a write through its shard."""
+        ent = self._dtensors.get(vid)
+        return ent is not None and ent[0]() is t and t._local_tensor._version != ent[1]
+
+    def _follow_derive(self, t: Tensor) -> int | None:
+        """If the tape's next step is a DTensor step whose output ``t`` is (the shard of the
+        DTensor it read, or a DTensor over the shard it read, with the recorded placements and
+        shape), map ``t`` to its value and move past the step (recorder invariant 8)."""
+        steps = self._plan.steps
+        i = self._i
+        step = steps[i] if i < len(steps) else None
+        if step is None or step.func not in _DTENSOR_STEPS:
+            return None
+        src = step.args[0].vid
+        out = step.outs[0]
+        if step.func is local_shard:
+            owner = self._dtensors.get(src)
+            owner = None if owner is None else owner[0]()
+            if owner is None or type(t) not in _PLAIN or owner._local_tensor is not t:
+                return None
+        else:
+            parts = _dtensor_parts(t)
+            if parts is None:
+                return None
+            ent = self._fids.get(id(parts[0]))
+            v = self._plan.tape.values[out]
+            if (ent is None or ent[0]() is not parts[0] or ent[1] != src or parts[0]._version != ent[2]
+                    or str(parts[1].placements) != step.args[2] or tuple(t.shape) != v.shape or t.dtype != v.dtype):
+                return None
+            self._follow_dtensor(out, t)
+        self._fids[id(t)] = (weakref.ref(t), out, t._version)
+        if step.holds:
+            self._follow_hold(out, t)
+            self._held_versions[out] = t._version
+        self._n = step.next_vid
+        self._i = i + 1
+        return out
 
     def _follow_hold(self, vid: int, t: Tensor) -> None:
         """:meth:`_hold` while following (storages are tracked again if the forward departs)."""
@@ -846,9 +927,17 @@ class Recorder(TorchDispatchMode):
         """The pack hook while following; None to fall back to recording mode's answer."""
         ent = self._fids.get(id(t))
         if ent is None or ent[0]() is not t:
-            return AsIs(self.link, t)
+            if self._follow_derive(t) is None:
+                self._note_off_tape(t)
+                return AsIs(self.link, t)
+            ent = self._fids[id(t)]
         vid = ent[1]
-        if t._version != ent[2]:  # written through another alias: recording mode makes a new value
+        if type(t) not in _PLAIN and self._stale_dtensor(t, vid):  # its shard was written
+            if self._follow_derive(t) is None:
+                self._leave_follow()
+                return None
+            vid = self._fids[id(t)][1]
+        elif t._version != ent[2]:  # written through another alias: recording mode makes a new value
             self._leave_follow()
             return None
         v = self._plan.tape.values[vid]
@@ -896,7 +985,8 @@ class Recorder(TorchDispatchMode):
             self._ids[id(t)] = (r, vid)
             parts = _dtensor_parts(t)
             if parts is not None:
-                self._note_dtensor(vid, t)
+                known = self._dtensors.get(vid)
+                self._note_dtensor(vid, t, known[1] if known is not None and known[0]() is t else None)
             try:
                 st = (t if parts is None else parts[0]).untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -908,6 +998,7 @@ class Recorder(TorchDispatchMode):
             for _, after in op.writes:
                 self._last_write[values[after].sid] = after
         self._fids, self._reads, self._rng, self._args, self._held_versions = {}, {}, {}, {}, {}
+        self._dtensors = {}
 
     def _settle(self) -> None:
         """Reference the originals of the last op's held values strongly, now that autograd has
@@ -976,6 +1067,7 @@ class Recorder(TorchDispatchMode):
                     return handle
             vid = self._lookup(t)
             if vid is None:
+                self._note_off_tape(t)
                 return AsIs(self.link, t)
             v = self.tape.values[vid]
             if v.kind != PRODUCED or v.free:
@@ -988,6 +1080,18 @@ class Recorder(TorchDispatchMode):
             return handle
         finally:
             self._bypass = False
+
+    def _note_off_tape(self, t: Tensor) -> None:
+        if id(t) in self._owned:  # the block's own parameter, saved before an op read it
+            return
+        parts = _dtensor_parts(t)
+        try:
+            st = (t if parts is None else parts[0]).untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if id(st) not in self._off_tape_storages:
+            self._off_tape_storages.add(id(st))
+            self.off_tape_bytes += st.nbytes()
 
     # End of forward -------------------------------------------------------------------------
 

@@ -235,3 +235,63 @@ def test_planned_steps_follow_their_verified_plan():
     assert handle.plan is not None and any(b.keep for b in handle.plan.policy.blocks.values())
     recorded = [s for s in handle.stats().values() if not s["passthrough"]]
     assert recorded and all(s["followed"] for s in recorded), handle.stats()
+
+
+class _DTensorBlock(nn.Module):
+    """DTensor code that builds and reads DTensors outside the dispatcher (recorder invariant 8)."""
+
+    def __init__(self, variant: str, mesh) -> None:
+        super().__init__()
+        self.variant, self.mesh = variant, mesh
+        self.w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3)
+
+    def forward(self, h):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self.variant == "redistribute":  # Shard -> Replicate: a functional all-gather
+            d = DTensor.from_local(h, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
+            return h + (torch.relu(d) * d).to_local() @ self.w
+        d = DTensor.from_local(h @ self.w, self.mesh, [Replicate()], run_check=False)
+        if self.variant == "to_from_local":
+            return h + (torch.tanh(d) * d).to_local()
+        a = torch.sigmoid(d)
+        with torch.no_grad():  # to_local() is the shard itself here; d's own counter does not move
+            d.to_local().mul_(2.0)
+        return (a * d).to_local()
+
+
+@pytest.fixture
+def one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", ["to_from_local", "shard_write", "redistribute"])
+def test_dtensor_steps_are_followed_exactly(one_rank_mesh, variant):
+    """The recorder's DTensor steps (to_local, from_local, redistribute) are followed, and a
+    DTensor read again after a write through its shard maps to its new value, as recorded."""
+    def run(wrapped: bool):
+        block = _DTensorBlock(variant, one_rank_mesh)
+        pre = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+        handle = tapesac.wrap([block]) if wrapped else None
+        out, followed = [], []
+        for step in range(STEPS):
+            x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            block(x @ pre).pow(2).sum().backward()
+            out.append((pre.grad.clone(), block.w.grad.clone()))
+            pre.grad = block.w.grad = None
+            if handle is not None:
+                followed += _followed(handle)
+        return out, followed
+
+    expected, _ = run(False)
+    actual, followed = run(True)
+    for (ep, ew), (ap, aw) in zip(expected, actual):
+        assert torch.equal(ep, ap) and torch.equal(ew, aw)
+    assert followed[2:] == [True] * (STEPS - 2), followed
