@@ -1,8 +1,10 @@
 """From measured block graphs and a step-peak model to a policy, under one memory limit.
 
-Identical blocks (same tape signature) are planned once: their frontier is computed once and
-shared. The allocation then gives each block a point of its kind's frontier so that every window
-of the step fits the limit, minimising the total replay time.
+Identical blocks (same tape signature) are planned once: their frontier (the keep sets) is
+computed once and shared. Each block's costs of those keep sets are its own, though: where sizes
+depend on the data (tokens per expert in an MoE block) identical blocks hold different bytes for
+the same keep set. The allocation then gives each block a point of its kind's frontier so that
+every window of the step fits the limit, minimising the total replay time.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ class Plan:
         groups: dict[tuple[str, int], list[int]] = {}
         for b, p in sorted(self.allocation.points.items()):
             kind = self.policy.blocks[b].signature or f"block{b}"  # as make_plan groups them
-            groups.setdefault((kind, self.block_frontiers[kind].index(p)), []).append(b)
+            i = next(i for i, q in enumerate(self.block_frontiers[kind]) if q.kept == p.kept)
+            groups.setdefault((kind, i), []).append(b)
         keeps = []
         for (kind, i), blocks in groups.items():
             p = self.block_frontiers[kind][i]
             g = graphs.get(blocks[0]) if graphs else None
             entry: dict[str, Any] = {
                 "kind": kind, "blocks": blocks, "point": i, "points": len(self.block_frontiers[kind]),
-                "kept_bytes": p.memory, "recompute_time": p.time,
+                "kept_bytes": max(self.allocation.points[b].memory for b in blocks), "recompute_time": p.time,
                 "kept": [g.value_name(v) for v in p.kept] if g is not None else list(p.kept),
             }
             if g is not None:
@@ -100,8 +103,8 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
     for sig, blocks in kinds.items():
         block_frontiers[sig] = frontier(graphs[blocks[0]], max_points=points_per_block,
                                         time_limit_s=max(solver_time_limit_s, 1.0))
-    frontiers = {b: block_frontiers[sig] for sig, blocks in kinds.items() for b in blocks}
-    deltas = replay_deltas(graphs, kinds, block_frontiers, memory)
+    frontiers = own_costs(graphs, kinds, block_frontiers)
+    deltas = replay_deltas(graphs, frontiers, memory)
     alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas, margin)
     sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas) if frontier_points else []
     policy_blocks = {}
@@ -126,8 +129,24 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
     return plan
 
 
-def replay_deltas(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
-                  block_frontiers: dict[str, list[Point]], memory: StepMemory) -> Deltas:
+def own_costs(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
+              block_frontiers: dict[str, list[Point]]) -> dict[int, list[Point]]:
+    """Per block, its kind's frontier with the kept and transient bytes of its own graph.
+
+    Identical blocks share keep sets and replay times, not sizes: an MoE block's per-expert
+    activations have as many rows as its router sent tokens to that expert, so the same keep set
+    holds different bytes in each layer. Costing every block with the first one's sizes
+    under-predicts the layers that route more tokens to what is kept."""
+    own: dict[int, list[Point]] = {}
+    for sig, blocks in kinds.items():
+        for b in blocks:
+            g = graphs[b]
+            own[b] = [dataclasses.replace(p, memory=g.kept_bytes(p.kept), transient=g.transient_bytes(p.kept))
+                      for p in block_frontiers[sig]]
+    return own
+
+
+def replay_deltas(graphs: dict[int, BlockGraph], frontiers: dict[int, list[Point]], memory: StepMemory) -> Deltas:
     """How each frontier point changes the replaying block's own peak, per replay window.
 
     Per unpack interval k the measured replay-only peak M[k] splits into what replay held (the
@@ -136,9 +155,8 @@ def replay_deltas(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
     Exact for replay-only, conservative otherwise. Where the window's unpacks are not the graph's
     order (a partial or second pass), kept bytes plus the formula's transient change are used.
     """
-    frontiers = {b: block_frontiers[sig] for sig, bs in kinds.items() for b in bs}
     deltas = formula_deltas(memory, frontiers)
-    sims: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    sims: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
     for wi, w in enumerate(memory.windows):
         b = w.replay_block
         if b not in graphs:
@@ -147,13 +165,14 @@ def replay_deltas(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
         order = g.unpack_order
         if not order or w.intervals is None or w.unpacks != list(order) or len(w.intervals) != len(order):
             continue
-        sig = g.signature or f"block{b}"
-        if sig not in sims:
-            sims[sig] = [simulate_replay(g, p.kept, order) for p in frontiers[b]]
+        # Blocks of one kind with the same sizes (every block of a dense model) replay alike.
+        key = (g.signature or f"block{b}", tuple(g.storage_bytes), tuple(order))
+        if key not in sims:
+            sims[key] = [simulate_replay(g, p.kept, order) for p in frontiers[b]]
         m = np.asarray(w.intervals)
-        ro_peak, ro_after = sims[sig][0]
+        ro_peak, ro_after = sims[key][0]
         deltas[wi] = [float(max((m - ro_peak + pk).max(), (m - ro_after + af).max()) - w.peak_bytes)
-                      for pk, af in sims[sig]]
+                      for pk, af in sims[key]]
     return deltas
 
 

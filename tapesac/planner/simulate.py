@@ -2,7 +2,8 @@
 
 The same lazy bookkeeping as :class:`tapesac.replay.Replayer`, on a :class:`BlockGraph`: for each
 unpack (in the order a profiled backward asked for them) the chain of missing values is rebuilt,
-outputs are cached while something still needs them, and values are dropped at their last use.
+outputs are cached while something still needs them, and values are dropped at their last use
+(after the op that uses them last returns: its inputs and outputs are alive together).
 Kept values sit in the cache from the start and leave at their last use too. Storages count once.
 """
 
@@ -63,13 +64,15 @@ def simulate_replay(g: BlockGraph, kept: Iterable[int], order: Sequence[int]) ->
                         local.add(v)
                     if rc[v] > 0:
                         cache.add(v)
+                # While the op runs its inputs and all its outputs are alive together: an input
+                # used here for the last time is freed only after the op returns.
+                peak = max(peak, held(local | set(outs[o])))
                 for d in deps[o]:
                     rc[d] -= 1
                     if rc[d] <= 0:
                         cache.discard(d)
                     if pending[d] <= 0 and d != u:
                         local.discard(d)
-                peak = max(peak, held(local))
         rc[u] -= 1
         if rc[u] <= 0:
             cache.discard(u)
