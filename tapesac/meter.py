@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
 from typing import Iterable
 
@@ -352,11 +351,9 @@ class AllocatorPeak:
     (``m.left_bytes``). It also sees what the storage counter does not (kernel temporaries,
     compiled code's buffers); it misses frees on threads the profiler does not follow (gloo's)."""
 
-    def __init__(self, extra_events: list[tuple[int, int]] | None = None) -> None:
+    def __init__(self) -> None:
         self.peak_bytes = 0
         self.left_bytes = 0
-        self._extra = extra_events if extra_events is not None else []
-        """(``time.time_ns()``, bytes) events the profiler cannot report, merged in by time at exit."""
 
     def __enter__(self) -> "AllocatorPeak":
         from torch.profiler import ProfilerActivity, profile
@@ -367,8 +364,8 @@ class AllocatorPeak:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        events = sorted([(e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-                         if e.name() == "[memory]"] + list(self._extra))
+        events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
         live = peak = 0
         for _ns, nbytes in events:
             live += nbytes
@@ -383,24 +380,18 @@ class AllocatorStepMeter:
 
     Peak = bytes of the ``track`` storages at :meth:`start` (as the counter counts them) plus the
     highest running total of the allocator's allocations minus frees until :meth:`stop`. The
-    profiler reports no free of a block allocated before it started, so the frees of tracked
-    storages (gradients dropped by ``zero_grad``) are taken from weak references to their
-    storages, stamped with the same clock as the profiler's events (``time.time_ns``). Frees of
-    untracked storages made before the step are never seen: such bytes stay counted (the meter
-    errs high, never low).
+    profiler reports no free of a block allocated before it started, so what the step frees of
+    what existed before it (gradients dropped by ``zero_grad``) stays counted: the meter errs
+    high, never low (by the gradients' bytes where the peak comes after new ones are made). It
+    also sees kernel temporaries the counter does not.
 
     Python's automatic garbage collection is paused while it runs (cyclic garbage stays counted
     until the step ends, again high): a collection while dynamo compiled under the profiler
     crashed the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test)."""
 
     def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
-        self._sizes: dict[int, tuple[torch.UntypedStorage, int]] = {}
-        for t in track:
-            for st in _storages(t):
-                self._sizes.setdefault(st._cdata, (st, st.nbytes()))
-        self.base_bytes = sum(n for _st, n in self._sizes.values())
-        self._frees: list[tuple[int, int]] = []
-        self._finalizers: list[weakref.finalize] = []
+        sizes = {st._cdata: st.nbytes() for t in track for st in _storages(t)}
+        self.base_bytes = sum(sizes.values())
         self._peak: AllocatorPeak | None = None
 
     @staticmethod
@@ -409,11 +400,7 @@ class AllocatorStepMeter:
         return not torch.autograd.profiler._is_profiler_enabled
 
     def start(self) -> None:
-        frees = self._frees
-        self._finalizers = [weakref.finalize(st, lambda n=nbytes: frees.append((time.time_ns(), -n)))
-                            for st, nbytes in self._sizes.values()]
-        self._sizes.clear()  # hold no storage alive
-        self._peak = AllocatorPeak(extra_events=frees)
+        self._peak = AllocatorPeak()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         self._peak.__enter__()
@@ -422,7 +409,6 @@ class AllocatorStepMeter:
         """End the step; its peak in bytes."""
         peak, self._peak = self._peak, None
         peak.__exit__(None, None, None)
-        self._detach()
         if self._gc_was_enabled:
             gc.enable()
         return self.base_bytes + peak.peak_bytes
@@ -433,12 +419,6 @@ class AllocatorStepMeter:
             self._peak = None
             if self._gc_was_enabled:
                 gc.enable()
-        self._detach()
-
-    def _detach(self) -> None:
-        for f in self._finalizers:
-            f.detach()
-        self._finalizers = []
 
 
 def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):

@@ -10,9 +10,10 @@ machine hits all alike; ratios are medians of per-round ratios.
 
 Policies: no AC; torchtitan full AC (early_stop False as torchtitan sets it, and True);
 torchtitan selective op SAC and per-layer SAC (every 2nd layer); torch.compile with the
-activation memory budget, and without AC; TapeSAC replay-only; TapeSAC planned at limits spanning
-full-AC to no-AC memory (at full AC's peak, op SAC's, the midpoint, three quarters, no AC's); and
-TapeSAC+compile (compiled mode: eager plan, compiled blocks) at the midpoint and three quarters.
+activation memory budget, without AC and with full AC; TapeSAC replay-only; TapeSAC planned at
+limits spanning full-AC to no-AC memory (at full AC's peak, op SAC's, the midpoint, three
+quarters, no AC's); and TapeSAC+compile (compiled mode: eager plan, compiled blocks, measured
+compiled steps) at the same limits, when compile budgets are given.
 
 Memory is the step peak of one profiled step per policy after warm-up, from the CPU allocator's
 events (parameters, gradients, optimizer state, activations, batch); for eager code it equals the
