@@ -69,9 +69,8 @@ log = logging.getLogger("tapesac")
 
 RAISE_HEADROOM = 0.03
 """Compiled mode: a verified step measured more than twice this fraction of the limit under it
-re-plans for the limit raised by the slack less this headroom. Compiled steps of one plan were
-measured up to 2.5% of the limit apart (quick llama3: the planner's measured step 57.45 MiB,
-the bench's 58.91 MiB); less slack than that is too small a change to pay another compile for."""
+re-plans for the limit raised by the slack less this headroom (room for measured steps of one
+plan to differ); less slack than that is too small a change to pay another compile for."""
 
 
 @dataclasses.dataclass
