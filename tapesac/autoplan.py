@@ -17,7 +17,15 @@ Phases (:class:`Phase`), the same on every rank:
    rank 0 plans for that key and broadcasts the plan. A small cache keeps a plan per key (a few
    sequence lengths).
 3. The first step under a new plan is measured (*verify*): over the limit means re-plan tighter
-   (at most ``max_replans`` times, then replay-only for that key with a warning).
+   (at most ``max_replans`` times, then replay-only for that key with a warning). In compiled
+   mode the measured step is a compiled step, the second under the plan (the first compiles it,
+   on CPU unmeasured: compiling under the profiler crashed the process) (allocator statistics on CUDA, the CPU
+   allocator's events on CPU: ``AllocatorStepMeter``), and a step measured more than
+   ``2 * RAISE_HEADROOM`` of the limit under it re-plans for the limit raised by that slack less ``RAISE_HEADROOM`` (the plan's
+   eager memory model counts transients fused kernels never make): at most ``max_replans``
+   times, and a raised plan measured over the limit goes back to the last plan measured within
+   it, for good. The user's limit is never relaxed: every plan a step keeps running under was
+   measured within it.
 4. Once a step of the run has backwarded a recording twice (a graph retained for a second
    backward), every plan must also be made from a traced step that did so: the step key names
    the forwards only, and a trace of a step that freed its graph as it went shows less than one
@@ -49,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .meter import meter_for
+from .meter import AllocatorStepMeter, meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
 from .policy import Policy
@@ -58,6 +66,11 @@ from .report import block_ranges, fmt_bytes
 from .stepmodel import StepMemory, StepTrace
 
 log = logging.getLogger("tapesac")
+
+RAISE_HEADROOM = 0.03
+"""Compiled mode: a verified step measured more than twice this fraction of the limit under it
+re-plans for the limit raised by the slack less this headroom (room for measured steps of one
+plan to differ); less slack than that is too small a change to pay another compile for."""
 
 
 @dataclasses.dataclass
@@ -181,6 +194,10 @@ class StepPlan:
     limit_bytes: float = 0.0
     """The limit this plan was solved for (tighter than the user's after an overshoot)."""
     replans: int = 0
+    raises: int = 0
+    """Compiled mode: re-plans for a limit raised by measured slack (at most ``max_replans``)."""
+    within: tuple[Plan, float] | None = None
+    """Compiled mode: the last plan measured within the user's limit, and the limit it was solved for."""
     verified: bool = False
     retained: bool = False
     """The memory model includes a traced step that backwarded a recording twice (retain_graph)."""
@@ -304,6 +321,9 @@ class AutoPlanner:
         self._profile_failures: dict[str, int] = {}
         self._step = _StepState()
         self._trace: StepTrace | None = None
+        self._allocator: AllocatorStepMeter | None = None
+        """Compiled mode on CPU: measures a verify step instead of ``_trace`` (no dispatch mode, so
+        the step runs compiled)."""
         self._trace_purpose: str | None = None
         """"profile" or "verify" while a step is traced; "pending" from a boundary until the
         step's first block forward decides."""
@@ -323,6 +343,8 @@ class AutoPlanner:
         self._starts: dict[str, tuple[int, str]] = {}
         """Step key -> its first recording (block, input signature): how such a step begins."""
         self._last_active: StepPlan | None = None
+        self._last_policy: Policy | None = None
+        """The policy the last step ran under from start to end (None: it did not)."""
         """The plan the last step ran under (None: replay-only)."""
         self.last_step_mode = "warm-up"
         """How the last step ran, in words: warm-up, profiled, planned, verified, replay-only."""
@@ -533,6 +555,8 @@ class AutoPlanner:
         ran, same, mismatch, failed, off_plan, twice = self._agree(key, profile_error is not None)
         if not ran:
             return False
+        allocator_peak = self._allocator.stop() if self._allocator is not None else None
+        self._allocator = None
         memory = self._finish_trace()
         self.steps += 1
         self._last_key, self._last_same = key, same
@@ -541,6 +565,7 @@ class AutoPlanner:
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
         planned = active is not None and active.key == key and not off_plan
+        self._last_policy = active.policy if planned else None
         self.last_step_mode = ("profiled" if purpose == "profile" else "warm-up" if self.phase is Phase.WARMUP
                                else "verified" if purpose == "verify" and planned and not active.verified
                                else "replay-only (no plan for a retained graph yet)" if purpose == "retained"
@@ -564,9 +589,9 @@ class AutoPlanner:
             elif memory is not None and key not in self.plans:
                 self._plan_profiled(key, step, memory)
             self.phase = Phase.PLANNED
-        elif (purpose == "verify" and memory is not None and same and not off_plan and active is not None
-              and active.key == key and not active.verified):
-            self._verify(active, memory)
+        elif (purpose == "verify" and (memory is not None or allocator_peak is not None) and same and not off_plan
+              and active is not None and active.key == key and not active.verified):
+            self._verify(active, memory.baseline_peak() if memory is not None else allocator_peak)
         elif (purpose == "retained" and twice and memory is not None and same and not off_plan
               and active is not None and active.key == key and key in self.plans and not active.retained):
             self._add_retained(active, memory)
@@ -613,7 +638,14 @@ class AutoPlanner:
             unplanned = False
         awaiting = any(self._awaits_retained(e) for e in self.plans.values())
         if unplanned or awaiting or (self.config.verify and any(not e.verified for e in self.plans.values())):
-            self._start_trace("pending")
+            # Only a verify can follow: in compiled mode on CPU measure it with the allocator,
+            # under which the step runs compiled (the storage counter would make it run eagerly).
+            compiled_cpu = not unplanned and not awaiting and self.device.type != "cuda" and self._compiled_mode()
+            if compiled_cpu and not any(e.policy is self._last_policy for e in self.plans.values() if not e.verified):
+                # The first step under a new plan compiles it, unmeasured: compiling under the
+                # profiler crashed the process (torch 2.13, CPU). The step after it is measured.
+                return
+            self._start_trace("pending", allocator=compiled_cpu and AllocatorStepMeter.available())
 
     def _resolve_trace(self, active: StepPlan | None, start: tuple[int, str]) -> None:
         """At a traced step's first block forward: profile it if no plan starts this way, or if it
@@ -624,14 +656,21 @@ class AutoPlanner:
                              and self._starts.get(last) == start)
         given_up = {self._starts.get(k) for k in self._unplannable}
         if (repeats_unplanned or active is None) and start not in given_up and len(self.plans) < self.config.max_plans:
-            self._trace_purpose = "profile"
-            self._start_profile()
+            purpose = "profile"
         elif active is not None and self._awaits_retained(active):
-            self._trace_purpose = "retained"
+            purpose = "retained"
         elif active is not None and self.config.verify and not active.verified:
-            self._trace_purpose = "verify"
+            purpose = "verify"
         else:
+            purpose = None
+        if purpose is None or (self._allocator is not None and purpose != "verify"):
+            # An allocator trace cannot profile (no windows): the next step, which starts the
+            # same way after an unplanned one, is profiled under the storage counter.
             self._stop_trace()
+            return
+        self._trace_purpose = purpose
+        if purpose == "profile":
+            self._start_profile()
 
     def _start_profile(self) -> None:
         self._log(logging.INFO, "TapeSAC: profiling step %d: every op timed %d times and memory traced "
@@ -738,14 +777,19 @@ class AutoPlanner:
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
             entry.plan, entry.verified = None, False
             return
-        self.plan = entry.plan = value
-        entry.policy = value.policy
-        entry.limit_bytes = limit
+        self._adopt(entry, value, limit)
         entry.verified = not cfg.verify
+
+    def _adopt(self, entry: StepPlan, plan: Plan, limit: float) -> None:
+        """Run ``entry``'s steps under ``plan``, solved for ``limit``; rank 0 describes and saves it."""
+        cfg = self.config
+        self.plan = entry.plan = plan
+        entry.policy = plan.policy
+        entry.limit_bytes = limit
         if tdist.rank(self.group) == 0:
-            self._describe(value, entry.graphs, limit)
+            self._describe(plan, entry.graphs, limit)
             try:
-                written = save_plan(value, entry.graphs, policy_path=cfg.policy_path,
+                written = save_plan(plan, entry.graphs, policy_path=cfg.policy_path,
                                     frontier_path=cfg.frontier_path, graph_dir=cfg.graph_dir)
             except OSError as e:  # a file we cannot write never stops training
                 log.warning("TapeSAC: could not write the plan's files: %s", e)
@@ -774,19 +818,29 @@ class AutoPlanner:
                      group.get("summary", f"keeps {len(group['kept'])} values"),
                      " (runs as plain autograd)" if plain else "")
 
-    def _verify(self, entry: StepPlan, memory: StepMemory) -> None:
-        measured = memory.baseline_peak()
+    def _verify(self, entry: StepPlan, measured: float) -> None:
+        """``measured``: this rank's peak of the first step under ``entry``'s plan."""
         if tdist.active(self.group):
             measured = max(tdist.all_gather(measured, self.group))
         predicted = entry.policy.predicted_peak_bytes
         limit = self.config.memory_limit_bytes
         self.history.append({"step": self.steps, "step_key": entry.key, "limit_bytes": limit,
                              "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
-                             "measured_peak_bytes": measured})
+                             "measured_peak_bytes": measured, "compiled": self._compiled_mode()})
         self._log(logging.INFO, "TapeSAC: first step under the plan: measured peak %s (predicted %s, limit %s)", fmt_bytes(measured),
                  fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True
         if measured <= limit:
+            if self._compiled_mode() and entry.plan is not None:
+                self._use_slack(entry, measured, limit)
+            return
+        if entry.within is not None:  # a plan raised into measured slack overshot: back, for good
+            plan, planned = entry.within
+            self._log(logging.WARNING, "TapeSAC: the plan raised into measured slack peaks over the limit by %s; "
+                      "back to the last plan measured within it (planned for %s)", fmt_bytes(measured - limit),
+                      fmt_bytes(planned))
+            self._adopt(entry, plan, planned)
+            entry.raises = self.config.max_replans
             return
         if entry.graphs is None:  # a loaded policy overshoots: profile and plan afresh
             self._log(logging.WARNING, "TapeSAC: the loaded policy exceeds the limit; profiling again")
@@ -803,6 +857,27 @@ class AutoPlanner:
         self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s; re-planning for %s",
                     fmt_bytes(measured - limit), fmt_bytes(tighter))
         self._solve(entry, tighter, first=False)
+
+    def _use_slack(self, entry: StepPlan, measured: float, limit: float) -> None:
+        """Compiled mode, a step measured within the limit: remember its plan, and if it left more
+        than ``2 * RAISE_HEADROOM`` of the limit unused, re-plan for the planned limit raised by the
+        slack less the headroom (verified again once compiled)."""
+        entry.within = (entry.plan, entry.limit_bytes)
+        slack = limit - measured
+        if entry.graphs is None or entry.raises >= self.config.max_replans or slack <= 2 * RAISE_HEADROOM * limit:
+            return
+        raised = entry.limit_bytes + slack - RAISE_HEADROOM * limit
+        entry.raises += 1
+        before = {b: (sorted(p.keep), p.passthrough) for b, p in entry.policy.blocks.items()}
+        self._log(logging.INFO, "TapeSAC: the compiled step peaked %s under the limit; re-planning for %s",
+                  fmt_bytes(slack), fmt_bytes(raised))
+        self._solve(entry, raised, first=False)
+        if entry.plan is None:  # cannot happen for a higher limit; keep the measured plan then
+            self._adopt(entry, *entry.within)
+            entry.verified = True
+        elif {b: (sorted(p.keep), p.passthrough) for b, p in entry.policy.blocks.items()} == before:
+            entry.verified = True  # the same plan: nothing new to measure, and no more room
+            entry.raises = self.config.max_replans
 
     # Saved policies -----------------------------------------------------------------------------
 
@@ -863,15 +938,24 @@ class AutoPlanner:
 
     # Tracing ------------------------------------------------------------------------------------
 
-    def _start_trace(self, purpose: str, inputs: Iterable[torch.Tensor] = ()) -> None:
+    def _start_trace(self, purpose: str, inputs: Iterable[torch.Tensor] = (), allocator: bool = False) -> None:
+        """Trace the step from here: a :class:`StepTrace` (windows, for profiling), or with
+        ``allocator`` only its peak, from the CPU allocator's events (a compiled verify step)."""
         track: list[torch.Tensor] = []
         if self.device.type != "cuda":
             track = list(_tensors_of([s.module for s in self.handle.blocks])) + list(_tensors_of(list(inputs)))
             track += list(_tensors_of(self.config.track))
             track += list(_tensors_of([o for o in (r() for r in self._optimizers) if o is not None]))
-        self._trace = StepTrace(meter_for(self.device, track))
         self._trace_purpose = purpose
+        if allocator:
+            self._allocator = AllocatorStepMeter(track)
+            self._allocator.start()
+            return
+        self._trace = StepTrace(meter_for(self.device, track))
         self._trace.start()
+
+    def _compiled_mode(self) -> bool:
+        return any(s.compiled is not None for s in self.handle.blocks)
 
     def _finish_trace(self) -> StepMemory | None:
         trace, self._trace = self._trace, None
@@ -886,7 +970,10 @@ class AutoPlanner:
     def _stop_trace(self) -> None:
         if self._trace is not None:
             self._trace.abort()
+        if self._allocator is not None:
+            self._allocator.abort()
         self._trace = None
+        self._allocator = None
         self._trace_purpose = None
         for s in self.handle.blocks:
             s.timer = None

@@ -28,10 +28,14 @@ Invariants (cited as "compiled invariant N" where they are kept):
    holds the tensor itself (no snapshot as eager TapeSAC takes), and refuses a saved tensor that
    changed. Such a block saves less than its plan.
 
-Memory is checked like eager mode's: the step after a plan is applied is measured and re-planned
-when over the limit. On CUDA the allocator measures the compiled step (not yet run on a GPU). On
-CPU the storage counter is a dispatch mode, under which dynamo runs frames eagerly: a measured CPU
-step runs the same SAC policy eagerly (the same saved set; eager kernels' transients).
+Memory is checked on a compiled step itself, measured (on CUDA the first under a plan, by the
+allocator's statistics, not yet run on a GPU; on CPU the second, by the allocator's events,
+``tapesac.meter.AllocatorStepMeter``, which is no dispatch mode: the first compiles unmeasured,
+since compiling under the profiler crashed the process, torch 2.13), re-planned tighter when over
+the limit and re-planned into the slack when well under it (``tapesac.autoplan``). Only when a
+step runs under a dispatch mode (the CPU storage counter, while another profiler keeps the
+allocator meter out; or the user's own) does it run the same SAC policy eagerly: the same saved
+set, eager kernels' transients.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ though those miss frees on threads the profiler does not follow, such as gloo's 
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from typing import Iterable
@@ -363,13 +364,61 @@ class AllocatorPeak:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        events = sorted((e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
+        events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
         live = peak = 0
-        for e in events:
-            live += e.nbytes()
+        for _ns, nbytes in events:
+            live += nbytes
             peak = max(peak, live)
         self.peak_bytes, self.left_bytes = peak, live
+
+
+class AllocatorStepMeter:
+    """One step's peak on CPU from the allocator's events, for compiled code (compiled mode's
+    measured step): unlike :class:`StorageCounter` it is no dispatch mode, so dynamo compiles
+    under it, and it sees compiled code's buffers and kernel temporaries.
+
+    Peak = bytes of the ``track`` storages at :meth:`start` (as the counter counts them) plus the
+    highest running total of the allocator's allocations minus frees until :meth:`stop`. The
+    profiler reports no free of a block allocated before it started, so what the step frees of
+    what existed before it (gradients dropped by ``zero_grad``) stays counted: the meter errs
+    high, never low (by the gradients' bytes where the peak comes after new ones are made). It
+    also sees kernel temporaries the counter does not.
+
+    Python's automatic garbage collection is paused while it runs (cyclic garbage stays counted
+    until the step ends, again high): a collection while dynamo compiled under the profiler
+    crashed the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test)."""
+
+    def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
+        sizes = {st._cdata: st.nbytes() for t in track for st in _storages(t)}
+        self.base_bytes = sum(sizes.values())
+        self._peak: AllocatorPeak | None = None
+
+    @staticmethod
+    def available() -> bool:
+        """False while another profiler runs (the step cannot be profiled a second time)."""
+        return not torch.autograd.profiler._is_profiler_enabled
+
+    def start(self) -> None:
+        self._peak = AllocatorPeak()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        self._peak.__enter__()
+
+    def stop(self) -> int:
+        """End the step; its peak in bytes."""
+        peak, self._peak = self._peak, None
+        peak.__exit__(None, None, None)
+        if self._gc_was_enabled:
+            gc.enable()
+        return self.base_bytes + peak.peak_bytes
+
+    def abort(self) -> None:
+        if self._peak is not None:
+            self._peak.__exit__(None, None, None)
+            self._peak = None
+            if self._gc_was_enabled:
+                gc.enable()
 
 
 def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):

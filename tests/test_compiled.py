@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import tapesac
+from tapesac.autoplan import RAISE_HEADROOM
 from tapesac.compiled import MappingWarning, TapePolicy
 from tapesac.errors import WrapError
 from tapesac.policy import BlockPolicy, Policy
@@ -51,6 +52,16 @@ def unbind_model(blocks: int = 2) -> Model:
     torch.manual_seed(0)
     model.layers = torch.nn.ModuleList(UnbindBlock() for _ in range(blocks))
     return model
+
+
+def assert_runs_a_plan_measured_within(handle, limit: int) -> None:
+    """Every plan was measured; the one steps run under now measured within ``limit`` (a plan
+    over it is re-planned tighter; one raised into measured slack may overshoot on its one
+    measured step, and is then dropped)."""
+    history = handle.planner.history
+    within = [h for h in history if h["measured_peak_bytes"] <= limit]
+    if all(e.verified for e in handle.planner.plans.values()):  # else a re-plan awaits its measure
+        assert handle.plan.policy.predicted_peak_bytes == within[-1]["predicted_peak_bytes"], history
 
 
 def train(model: Model, steps: int, seq: int = 32) -> list[tuple[torch.Tensor, dict]]:
@@ -161,9 +172,10 @@ def test_planned_compiled_loss_curve_matches_compile_without_ac():
     expected = train(reference, steps)
 
     model = unbind_model()
-    # A limit between the smallest and the largest useful peak of this model (measured with
-    # eager planned mode: 898164 and 1219692 bytes), so the plan keeps some values, not all.
-    limit = 1_058_928
+    # Below what compiled steps keeping everything measure (about 1.12 MB with the allocator
+    # meter, which counts the previous step's gradients too), so the plans, raised into measured
+    # slack, still keep some values, not all.
+    limit = 1_100_000
     handle = tapesac.wrap(model.layers, memory_limit_bytes=limit, compile=True)
     try:
         with warnings.catch_warnings():
@@ -172,11 +184,12 @@ def test_planned_compiled_loss_curve_matches_compile_without_ac():
         stats = handle.stats()
         plan = handle.plan.policy.blocks
         history = handle.planner.history
+        assert_runs_a_plan_measured_within(handle, limit)
     finally:
         handle.remove()
     assert any(plan[b].keep and not plan[b].passthrough for b in plan), "the plan should keep some values"
     assert all(s["compiled"] for s in stats.values()), "planned steps should run compiled"
-    assert history and all(h["measured_peak_bytes"] <= limit for h in history)
+    assert history
     diffs = [abs(le - la).item() for (le, _), (la, _) in zip(expected, actual)]
     assert max(diffs) <= LOSS_TOL, diffs
     for name, grad in expected[-1][1].items():
@@ -203,7 +216,7 @@ def test_accumulated_micro_batches_run_compiled_under_one_plan():
     expected = train_accumulating(reference, 6)
     model = unbind_model()
     # Mid-frontier for this loop (eager planned mode measured 982140 to 1803380 bytes).
-    limit = 1_400_000
+    limit = 1_550_000
     handle = tapesac.wrap(model.layers, memory_limit_bytes=limit, compile=True)
     try:
         with warnings.catch_warnings():
@@ -211,8 +224,8 @@ def test_accumulated_micro_batches_run_compiled_under_one_plan():
             actual = train_accumulating(model, 6)
         plan = handle.plan.policy.blocks
         assert any(plan[b].keep and not plan[b].passthrough for b in plan), "the plan should keep some values"
-        assert all(h["measured_peak_bytes"] <= limit for h in handle.planner.history)
-        assert handle.planner.last_step_mode == "planned"
+        assert_runs_a_plan_measured_within(handle, limit)
+        assert handle.planner.last_step_mode in ("planned", "verified")  # under the plan
         assert all(s["compiled"] for s in handle.stats().values())
         assert len(handle.planner.plans) == 1  # one step shape, one plan
     finally:
@@ -258,3 +271,39 @@ def test_a_kept_value_written_in_place_later_is_recomputed_not_saved():
     out = checkpoint(block, x, use_reentrant=False, context_fn=policy.context_fn)  # eager SAC
     assert torch.equal(torch.autograd.grad(out.sum(), x)[0], expected)
     assert policy.check() is None
+
+
+def test_compiled_steps_are_measured_compiled_and_plans_grow_into_the_slack():
+    """On CPU the first step under each plan compiles it and the second, compiled too, is
+    measured from the allocator's events; a step well under the limit re-plans for the limit
+    raised by its slack, so the next plan keeps more; the plan kept was measured within."""
+    model = unbind_model()
+    # Sequences of 256 tokens, so activations outweigh the gradients the allocator meter counts
+    # twice. Eager planned mode's frontier spans 3.3 to 6.1 MiB; the first compiled plan at this
+    # limit measured 4191860 bytes.
+    limit = 5_000_000
+    torch._dynamo.reset()  # compiled code of earlier tests must not change what this one compiles
+    handle = tapesac.wrap(model.layers, memory_limit_bytes=limit, compile=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    measured_ran_compiled = []
+    try:
+        for step in range(8):
+            opt.zero_grad(set_to_none=True)
+            model(tokens(step, 0, 256)).backward()
+            verifies = len(handle.planner.history)
+            opt.step()
+            if len(handle.planner.history) > verifies:  # this step was the one measured
+                measured_ran_compiled.append(all(s["compiled"] for s in handle.stats().values()))
+        history = handle.planner.history
+        assert_runs_a_plan_measured_within(handle, limit)
+    finally:
+        handle.remove()
+    assert history and all(measured_ran_compiled), ([h["measured_peak_bytes"] for h in history], measured_ran_compiled)
+    # The plan depends on the profiled op times: run alone, the first plan measured 4191860 bytes
+    # (16% under the limit) and was raised; after the other tests of this file, another first
+    # plan measured 4987252 (no room). Where the first left room, the second was solved for more
+    # and keeps more.
+    if history[0]["measured_peak_bytes"] < (1 - 2 * RAISE_HEADROOM) * limit:
+        assert len(history) >= 2, history
+        assert history[1]["planned_limit_bytes"] > history[0]["planned_limit_bytes"]
+        assert history[1]["predicted_peak_bytes"] > history[0]["predicted_peak_bytes"]
