@@ -20,7 +20,8 @@ Phases (:class:`Phase`), the same on every rank:
    (at most ``max_replans`` times, then replay-only for that key with a warning). In compiled
    mode the measured step is a compiled step, the second under the plan (the first compiles it,
    on CPU unmeasured: compiling under the profiler crashed the process) (allocator statistics on CUDA, the CPU
-   allocator's events on CPU: ``AllocatorStepMeter``), and a step measured more than
+   allocator's events on CPU: ``AllocatorStepMeter``). With ``compiled_raise_into_slack`` (off by
+   default: it may exceed the limit once per raise), a step measured more than
    ``2 * RAISE_HEADROOM`` of the limit under it re-plans for the limit raised by that slack less ``RAISE_HEADROOM`` (the plan's
    eager memory model counts transients fused kernels never make): at most ``max_replans``
    times, and a raised plan measured over the limit goes back to the last plan measured within
@@ -101,6 +102,11 @@ class PlanConfig:
     """Points of the step frontier written for people (0: none)."""
     verify: bool = True
     """Measure the first step under each plan and re-plan tighter if it exceeds the limit."""
+    compiled_raise_into_slack: bool = False
+    """Compiled mode: a measured step well under the limit re-plans for the limit raised by that
+    slack (compiled code peaks below the eager memory model). Off by default: a raised plan's
+    steps may exceed the limit once (its first, compiling step is not measured on CPU; its
+    measured step may overshoot) before the run goes back to the last plan measured within it."""
     max_replans: int = 3
     """Re-plans per step key after measured overshoots, before falling back to replay-only."""
     max_plans: int = 8
@@ -831,7 +837,7 @@ class AutoPlanner:
                  fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True
         if measured <= limit:
-            if self._compiled_mode() and entry.plan is not None:
+            if self._compiled_mode() and entry.plan is not None and self.config.compiled_raise_into_slack:
                 self._use_slack(entry, measured, limit)
             return
         if entry.within is not None:  # a plan raised into measured slack overshot: back, for good

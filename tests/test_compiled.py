@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import tapesac
-from tapesac.autoplan import RAISE_HEADROOM
+from tapesac.autoplan import PlanConfig, RAISE_HEADROOM
 from tapesac.compiled import MappingWarning, TapePolicy
 from tapesac.errors import WrapError
 from tapesac.policy import BlockPolicy, Policy
@@ -283,7 +283,8 @@ def test_compiled_steps_are_measured_compiled_and_plans_grow_into_the_slack():
     # limit measured 4191860 bytes.
     limit = 5_000_000
     torch._dynamo.reset()  # compiled code of earlier tests must not change what this one compiles
-    handle = tapesac.wrap(model.layers, memory_limit_bytes=limit, compile=True)
+    handle = tapesac.wrap(model.layers, compile=True,
+                          plan_config=PlanConfig(memory_limit_bytes=limit, compiled_raise_into_slack=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     measured_ran_compiled = []
     try:

@@ -301,7 +301,8 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
 
     planned = [(f"TapeSAC @ {where} peak", limit, []) for where, limit in limits.items()]
     if compile_budgets:  # compiled mode beside torch.compile's budgets
-        planned += [(f"TapeSAC+compile @ {where} peak", limits[where], COMPILE_MODEL) for where in TAPESAC_COMPILE_LIMITS]
+        planned += [(f"TapeSAC+compile @ {where} peak", limits[where],
+                     [*COMPILE_MODEL, "--tapesac.compiled_raise_into_slack"]) for where in TAPESAC_COMPILE_LIMITS]
     for name, limit, extra in planned:
         log(f"  planning {name}: limit {limit / 2**20:.1f} MiB")
         r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", f"{limit / 2**30:.9f}", *extra],

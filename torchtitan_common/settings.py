@@ -69,6 +69,11 @@ class TapeSACSettings:
     verify: bool = _PLAN.verify
     """Measure the first step under each plan; if its peak exceeds the limit, re-plan tighter."""
 
+    compiled_raise_into_slack: bool = _PLAN.compiled_raise_into_slack
+    """Compiled mode (``compile.enable``): re-plan into the slack a measured compiled step leaves
+    under the limit. Off by default: a raised plan may exceed the limit once before the run goes
+    back to the last plan measured within it."""
+
     debug: bool = False
     """Compare every recomputed value with the forward's and fail on any difference (slow)."""
 
