@@ -483,7 +483,8 @@ class Recorder(TorchDispatchMode):
             return self._derived(t) if self._shards or type(t) not in _PLAIN else None
         vid = ent[1]
         if t._version != self.tape.values[vid].version or (
-                vid in self._shard_versions and t._local_tensor._version != self._shard_versions[vid]):
+                self._shard_versions and vid in self._shard_versions
+                and t._local_tensor._version != self._shard_versions[vid]):
             vid = self._refresh(t)
         return vid
 
