@@ -349,28 +349,80 @@ class AllocatorPeak:
     ``with AllocatorPeak() as m:``, the highest running total of the CPU allocator's allocations
     minus frees, relative to the start (``m.peak_bytes``), and what is left at the end
     (``m.left_bytes``). It also sees what the storage counter does not (kernel temporaries,
-    compiled code's buffers); it misses frees on threads the profiler does not follow (gloo's)."""
+    compiled code's buffers); it misses frees on threads the profiler does not follow (gloo's).
 
-    def __init__(self) -> None:
+    The profiler reports the free of a block only if the block was allocated while a profiler
+    ran (the CPU allocator's size table is filled only then). Storages passed as ``watch``,
+    allocated before, are subtracted when they are freed inside the window: a weak reference on
+    each marks the moment in the profiler's own event stream (invariant 2 of the counter holds:
+    the mark runs no op), unless the profiler reported that free itself (a block allocated under
+    an earlier profiler: its free event at the same address)."""
+
+    def __init__(self, watch: Iterable[torch.UntypedStorage] = ()) -> None:
         self.peak_bytes = 0
         self.left_bytes = 0
+        self._watch = {st._cdata: st for st in watch if st.nbytes() > 0}
+        self._refs: list[weakref.ref] = []
 
     def __enter__(self) -> "AllocatorPeak":
         from torch.profiler import ProfilerActivity, profile
 
+        self._refs = [weakref.ref(st, _mark_free(st.data_ptr(), st.nbytes())) for st in self._watch.values()]
+        self._watch = {}  # only weakly held from here on: their frees are what is watched
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch._C._profiler import _EventType
+
         self._prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
+        self._refs = []
+        changes: list[tuple[int, int, int, bool]] = []  # (time, ptr, bytes, from a mark)
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                fields = node.extra_fields
+                changes.append((node.start_time_ns, fields.ptr, fields.alloc_size, False))
+            elif node.name.startswith(_FREE_MARK):
+                ptr, nbytes = (int(x) for x in node.name[len(_FREE_MARK):].split(","))
+                changes.append((node.start_time_ns, ptr, -nbytes, True))
+        changes.sort(key=lambda c: c[0])
+        allocated: set[int] = set()  # blocks allocated in the window, not freed yet
+        reported: set[int] = set()  # blocks from before the window whose free the profiler reported
+        for _ns, ptr, nbytes, mark in changes:
+            if mark:
+                continue
+            if nbytes > 0:
+                allocated.add(ptr)
+            elif ptr in allocated:
+                allocated.discard(ptr)
+            else:
+                reported.add(ptr)
         live = peak = 0
-        for _ns, nbytes in events:
+        for _ns, ptr, nbytes, mark in changes:
+            if mark and ptr in reported:
+                continue
             live += nbytes
             peak = max(peak, live)
         self.peak_bytes, self.left_bytes = peak, live
+
+
+_FREE_MARK = "tapesac.freed:"
+
+
+def _mark_free(ptr: int, nbytes: int):
+    """A weak reference callback that records the free of a watched storage as a profiler event
+    (no op dispatched: a dispatch mode below sees nothing)."""
+    name = f"{_FREE_MARK}{ptr},{nbytes}"
+
+    def freed(_ref: weakref.ref) -> None:
+        with torch._C._profiler._RecordFunctionFast(name):
+            pass
+
+    return freed
 
 
 class AllocatorStepMeter:
@@ -379,19 +431,19 @@ class AllocatorStepMeter:
     under it, and it sees compiled code's buffers and kernel temporaries.
 
     Peak = bytes of the ``track`` storages at :meth:`start` (as the counter counts them) plus the
-    highest running total of the allocator's allocations minus frees until :meth:`stop`. The
-    profiler reports no free of a block allocated before it started, so what the step frees of
-    what existed before it (gradients dropped by ``zero_grad``) stays counted: the meter errs
-    high, never low (by the gradients' bytes where the peak comes after new ones are made). It
-    also sees kernel temporaries the counter does not.
+    highest running total of the allocator's allocations minus frees until :meth:`stop`, where
+    the frees include those of the ``track`` storages (gradients dropped by ``zero_grad``: see
+    :class:`AllocatorPeak`'s ``watch``). It sees kernel temporaries the counter does not, so it
+    reads at least what the counter reads on eager code.
 
     Python's automatic garbage collection is paused while it runs (cyclic garbage stays counted
-    until the step ends, again high): a collection while dynamo compiled under the profiler
-    crashed the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test)."""
+    until the step ends: high): a collection while dynamo compiled under the profiler crashed
+    the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test)."""
 
     def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
-        sizes = {st._cdata: st.nbytes() for t in track for st in _storages(t)}
-        self.base_bytes = sum(sizes.values())
+        storages = {st._cdata: st for t in track for st in _storages(t)}
+        self.base_bytes = sum(st.nbytes() for st in storages.values())
+        self._storages = list(storages.values())
         self._peak: AllocatorPeak | None = None
 
     @staticmethod
@@ -400,7 +452,7 @@ class AllocatorStepMeter:
         return not torch.autograd.profiler._is_profiler_enabled
 
     def start(self) -> None:
-        self._peak = AllocatorPeak()
+        self._peak, self._storages = AllocatorPeak(self._storages), []
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         self._peak.__enter__()
