@@ -136,3 +136,29 @@ def test_report_rejects_a_file_that_is_not_a_saved_run(tmp_path):
     wrong = subprocess.run([sys.executable, "tools/bench.py", "--report", str(other)],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "not a file written by --json" in wrong.stderr
+
+
+def test_each_compiled_runner_compiles_its_own_blocks_under_its_own_budget():
+    """Dynamo caches graphs per code object and guards neither on the activation memory budget
+    nor on the instance: without a forward of their own, a second runner's blocks reuse the
+    first runner's graph, and every compile budget measures compile without AC."""
+    import torch
+
+    from .loops import Block
+
+    def saved_bytes(block, budget):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            out = torch.compile(block, fullgraph=True)(torch.randn(2, 128, 32, requires_grad=True))
+        return sum(t.untyped_storage().nbytes() for t in out.grad_fn.saved_tensors)
+
+    own = _bench()._own_forward_code
+    torch._dynamo.reset()
+    runners = []
+    for tag in ("budget 1.0", "budget 0.1"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleDict({"0": Block()})
+        own(model, tag)
+        runners.append(model.layers["0"])
+    kept_all, kept_little = saved_bytes(runners[0], 1.0), saved_bytes(runners[1], 0.1)
+    assert kept_little < kept_all / 2, (kept_little, kept_all)
+    assert type(runners[0]).forward.__code__ is not type(runners[1]).forward.__code__
