@@ -24,8 +24,8 @@ Phases (:class:`Phase`), the same on every rank:
    default: it may exceed the limit once per raise), a step measured more than
    ``2 * RAISE_HEADROOM`` of the limit under it re-plans for the limit raised by that slack less ``RAISE_HEADROOM`` (the plan's
    eager memory model counts transients fused kernels never make): at most ``max_replans``
-   times, and a raised plan measured over the limit goes back to the last plan measured within
-   it, for good. The user's limit is never relaxed: every plan a step keeps running under was
+   raises; a raised plan measured over the limit goes back to the last plan measured within it,
+   and the next raise, if any, is solved halfway between the two planned limits (a bisection). The user's limit is never relaxed: every plan a step keeps running under was
    measured within it.
 4. Once a step of the run has backwarded a recording twice (a graph retained for a second
    backward), every plan must also be made from a traced step that did so: the step key names
@@ -104,9 +104,11 @@ class PlanConfig:
     """Measure the first step under each plan and re-plan tighter if it exceeds the limit."""
     compiled_raise_into_slack: bool = False
     """Compiled mode: a measured step well under the limit re-plans for the limit raised by that
-    slack (compiled code peaks below the eager memory model). Off by default: a raised plan's
-    steps may exceed the limit once (its first, compiling step is not measured on CPU; its
-    measured step may overshoot) before the run goes back to the last plan measured within it."""
+    slack (compiled code peaks below the eager memory model), bisecting between the highest
+    planned limit measured within and the lowest measured over, at most ``max_replans`` raises.
+    Off by default: each raised plan's steps may exceed the limit once (its first, compiling
+    step is not measured on CPU; its measured step may overshoot) before the run goes back to
+    the last plan measured within it."""
     max_replans: int = 3
     """Re-plans per step key after measured overshoots, before falling back to replay-only."""
     max_plans: int = 8
@@ -204,6 +206,9 @@ class StepPlan:
     """Compiled mode: re-plans for a limit raised by measured slack (at most ``max_replans``)."""
     within: tuple[Plan, float] | None = None
     """Compiled mode: the last plan measured within the user's limit, and the limit it was solved for."""
+    over: float | None = None
+    """Compiled mode: the lowest limit a raised plan was solved for and then measured over the
+    user's limit at; later raises stay below it (a bisection between ``within`` and it)."""
     verified: bool = False
     retained: bool = False
     """The memory model includes a traced step that backwarded a recording twice (retain_graph)."""
@@ -840,13 +845,16 @@ class AutoPlanner:
             if self._compiled_mode() and entry.plan is not None and self.config.compiled_raise_into_slack:
                 self._use_slack(entry, measured, limit)
             return
-        if entry.within is not None:  # a plan raised into measured slack overshot: back, for good
+        if entry.within is not None:  # a plan raised into measured slack overshot: back, then bisect
             plan, planned = entry.within
+            # Below the plan's own predicted peak, no solve picks that plan again.
+            over = min(entry.limit_bytes, predicted if predicted is not None else entry.limit_bytes)
+            entry.over = over if entry.over is None else min(entry.over, over)
             self._log(logging.WARNING, "TapeSAC: the plan raised into measured slack peaks over the limit by %s; "
                       "back to the last plan measured within it (planned for %s)", fmt_bytes(measured - limit),
                       fmt_bytes(planned))
             self._adopt(entry, plan, planned)
-            entry.raises = self.config.max_replans
+            self._raise(entry, (planned + entry.over) / 2, limit)
             return
         if entry.graphs is None:  # a loaded policy overshoots: profile and plan afresh
             self._log(logging.WARNING, "TapeSAC: the loaded policy exceeds the limit; profiling again")
@@ -867,22 +875,37 @@ class AutoPlanner:
     def _use_slack(self, entry: StepPlan, measured: float, limit: float) -> None:
         """Compiled mode, a step measured within the limit: remember its plan, and if it left more
         than ``2 * RAISE_HEADROOM`` of the limit unused, re-plan for the planned limit raised by the
-        slack less the headroom (verified again once compiled)."""
+        slack less the headroom, or halfway to the lowest planned limit measured over (verified
+        again once compiled)."""
         entry.within = (entry.plan, entry.limit_bytes)
         slack = limit - measured
-        if entry.graphs is None or entry.raises >= self.config.max_replans or slack <= 2 * RAISE_HEADROOM * limit:
+        if slack <= 2 * RAISE_HEADROOM * limit:
             return
         raised = entry.limit_bytes + slack - RAISE_HEADROOM * limit
+        if entry.over is not None:
+            raised = min(raised, (entry.limit_bytes + entry.over) / 2)
+        self._raise(entry, raised, limit)
+
+    def _raise(self, entry: StepPlan, raised: float, limit: float) -> None:
+        """Re-plan ``entry`` (now under its ``within`` plan) for the planned limit ``raised``, if
+        that is worth a compile: at most ``max_replans`` raises, each at least ``RAISE_HEADROOM``
+        of the limit above the plan measured within, and a plan that differs from it."""
+        planned = entry.within[1]
+        if entry.graphs is None or entry.raises >= self.config.max_replans or raised - planned < RAISE_HEADROOM * limit:
+            entry.verified = True
+            return
         entry.raises += 1
         before = {b: (sorted(p.keep), p.passthrough) for b, p in entry.policy.blocks.items()}
-        self._log(logging.INFO, "TapeSAC: the compiled step peaked %s under the limit; re-planning for %s",
-                  fmt_bytes(slack), fmt_bytes(raised))
+        self._log(logging.INFO, "TapeSAC: the compiled step left room under the limit; re-planning for %s "
+                  "(measured within at %s%s)", fmt_bytes(raised), fmt_bytes(planned),
+                  f", over at {fmt_bytes(entry.over)}" if entry.over is not None else "")
         self._solve(entry, raised, first=False)
         if entry.plan is None:  # cannot happen for a higher limit; keep the measured plan then
             self._adopt(entry, *entry.within)
             entry.verified = True
         elif {b: (sorted(p.keep), p.passthrough) for b, p in entry.policy.blocks.items()} == before:
-            entry.verified = True  # the same plan: nothing new to measure, and no more room
+            self._adopt(entry, *entry.within)  # the same plan: nothing new to measure
+            entry.verified = True
             entry.raises = self.config.max_replans
 
     # Saved policies -----------------------------------------------------------------------------

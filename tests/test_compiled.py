@@ -307,3 +307,48 @@ def test_compiled_steps_are_measured_compiled_and_plans_grow_into_the_slack():
         assert len(history) >= 2, history
         assert history[1]["planned_limit_bytes"] > history[0]["planned_limit_bytes"]
         assert history[1]["predicted_peak_bytes"] > history[0]["predicted_peak_bytes"]
+
+
+def test_raising_into_slack_bisects_between_plans_measured_within_and_over():
+    """The raise is blind (the eager memory model over-counts compiled transients by different
+    amounts for different plans), so a raised plan measured over the limit goes back to the one
+    measured within and the next raise is solved halfway between the two; the plan steps keep
+    running under is always one measured within. Measurements are given, not run: the sequence
+    of planned limits is what is checked."""
+    model = unbind_model()
+    limit = 5_000_000
+    handle = tapesac.wrap(model.layers, compile=True,
+                          plan_config=PlanConfig(memory_limit_bytes=limit, compiled_raise_into_slack=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        for step in range(4):  # warm-up and the (eager) profiled step, which plans
+            if handle.planner.plans:
+                break
+            opt.zero_grad(set_to_none=True)
+            model(tokens(step, 0, 256)).backward()
+            opt.step()
+        planner = handle.planner
+        (entry,) = planner.plans.values()
+        first_plan, first_limit = entry.plan, entry.limit_bytes
+
+        planner._verify(entry, 0.7 * limit)  # 30% of slack: raised for the limit plus the slack less 3%
+        raised = entry.limit_bytes
+        assert raised == pytest.approx(first_limit + 0.3 * limit - RAISE_HEADROOM * limit)
+        assert not entry.verified and entry.plan is not first_plan
+        raised_predicted = entry.policy.predicted_peak_bytes
+
+        planner._verify(entry, 1.1 * limit)  # over: back to the first plan, then halfway
+        over = min(raised, raised_predicted)
+        assert entry.over == over
+        assert entry.limit_bytes == pytest.approx((first_limit + over) / 2)
+        assert not entry.verified and entry.policy.predicted_peak_bytes < raised_predicted
+
+        middle_plan, middle = entry.plan, entry.limit_bytes
+        planner._verify(entry, 0.9 * limit)  # within, 10% slack: a raise, if any, stays under `over`
+        if not entry.verified:
+            assert middle < entry.limit_bytes <= (middle + over) / 2 + 1
+            planner._verify(entry, 1.2 * limit)  # over again: back to the middle plan, raises spent
+        assert entry.verified and entry.plan is middle_plan and entry.within == (middle_plan, middle)
+        assert [h["measured_peak_bytes"] <= limit for h in planner.history][:3] == [True, False, True]
+    finally:
+        handle.remove()
