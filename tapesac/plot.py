@@ -16,6 +16,7 @@ def frontier_figure(result: dict[str, Any]):
     Draws the frontier as a staircase (with at least a point's memory, its time is reachable),
     labelled baseline points if any, the limit (``limit_bytes``) as a vertical line labelled with
     its value, the chosen plan (``chosen``) as a star labelled with its peak and recompute time,
+    further staircases (``frontiers``: a list of ``{"label", "points"}``, points as in ``frontier``),
     and the two ends with ``ends`` (a run's ``frontier.json`` without ``ends`` gets ``STEP_ENDS``).
     Memory shows in KiB/MiB/GiB as its range needs, time in ms (``report.frontier_axes``).
     The figure is not attached to pyplot: nothing global is touched, so it is safe on any thread.
@@ -40,6 +41,12 @@ def frontier_figure(result: dict[str, Any]):
         if len(pts) > 1:
             ax.annotate(ends[1], (xs[-1], ys[-1]), xytext=(-4, 10), textcoords="offset points",
                         fontsize=8, va="bottom", ha="right")
+
+    for colour, extra in zip(("tab:green", "tab:purple", "tab:brown"), result.get("frontiers", [])):
+        exs = [axes.memory(p["memory"]) for p in extra["points"]]
+        eys = [axes.time(p["recompute_time"]) for p in extra["points"]]
+        ax.step(exs, eys, where="post", color=colour)
+        ax.plot(exs, eys, "D", color=colour, label=extra["label"])
 
     for b in result.get("baselines", []):
         x, y = axes.memory(b["memory"]), axes.time(b["recompute_time"])

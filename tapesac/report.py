@@ -80,6 +80,7 @@ def frontier_axes(result: dict[str, Any]) -> Axes:
     mem_label, mem_unit = _split_unit(result.get("memory_label", "memory"), result.get("memory_unit"))
     time_label, time_unit = _split_unit(result.get("time_label", "recompute time"), result.get("time_unit"))
     mems = [p["memory"] for p in result.get("frontier", [])]
+    mems += [p["memory"] for f in result.get("frontiers", []) for p in f["points"]]
     if result.get("limit_bytes") is not None:
         mems.append(result["limit_bytes"])
     mem_scale = 1.0

@@ -209,3 +209,17 @@ def test_frontier_axes_reads_units_from_old_labels():
                           "frontier": [{"memory": 300 * MiB, "recompute_time": 0.1}]})
     assert (axes.memory_title(), axes.time_title()) == ("predicted step peak (MiB)", "recompute (ms)")
     assert (axes.memory(300 * MiB), axes.time(0.1)) == (300, pytest.approx(100))
+
+
+def test_plot_draws_further_frontiers_and_sizes_its_axes_for_them():
+    pytest.importorskip("matplotlib")
+    from tapesac.plot import frontier_figure
+
+    fig = frontier_figure({"memory_label": "peak", "memory_unit": "bytes", "time_label": "t", "time_unit": "s",
+                           "frontier": [{"memory": 20 * MiB, "recompute_time": 0.5}],
+                           "frontiers": [{"label": "compiled", "points": [{"memory": 3 * 2**30, "recompute_time": 0.2},
+                                                                          {"memory": 4 * 2**30, "recompute_time": 0.1}]}]})
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "peak (GiB)"
+    (compiled,) = [line for line in ax.get_lines() if line.get_label() == "compiled"]
+    assert list(compiled.get_xdata()) == [3, 4] and list(compiled.get_ydata()) == [200, 100]
