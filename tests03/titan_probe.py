@@ -38,6 +38,7 @@ def _dump() -> None:
         record["policy"] = [[s.index, sorted(map(list, s.keep or ())), s.expected_signature] for s in handle.blocks]
         record["planned"] = planner is not None and planner.plan is not None
         record["history"] = planner.history if planner is not None else []
+        record["stats"] = {str(k): v for k, v in handle.stats().items()}
     rank = os.environ.get("RANK", "0")
     with open(f"{os.environ['TAPESAC_PROBE']}.rank{rank}.json", "w") as f:
         json.dump(record, f)

@@ -5,11 +5,17 @@ torchtitan 0.3 applies activation checkpointing with ``ac_config.build(dump_fold
 parallelism and before ``fully_shard``. :class:`TapeSAC` wraps the blocks of ``model.layers``
 there, exactly as torchtitan 0.2.x's ``tapesac`` converter does (``torchtitan_common.run``):
 FSDP2 shards around the wrappers, rank 0 plans and broadcasts.
+
+When the job compiles the model, TapeSAC runs in compiled mode: the trainer keeps torchtitan's
+``apply_compile`` off the blocks and hands torch.compile's arguments to the policy
+(``Config.compile_options``), which sets up compilation as ``apply_compile`` would
+(:func:`_compile_like_torchtitan`) and compiles each block under its plan.
 """
 
 # No "from __future__ import annotations": tyro needs real types here.
+import sys
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import tyro
 from torch import nn
@@ -62,6 +68,11 @@ class TapeSAC(ActivationCheckpointing):
         model_name: Annotated[str, tyro.conf.Suppress] = ""
         """``<model>/<flavor>``, stored in the saved policy (set from the trainer's model spec)."""
 
+        compile_options: Annotated[dict[str, Any] | None, tyro.conf.Suppress] = None
+        """``torch.compile``'s arguments for the blocks in compiled mode, else None (eager): set by
+        the trainer when the job compiles the model (``compile.enable``, ``"model"`` in
+        ``compile.components``), which TapeSAC then does itself (``torchtitan_common.compiled``)."""
+
         def __post_init__(self) -> None:
             """Every value is checked when the config is parsed: before any work, once."""
             self.check()
@@ -79,6 +90,54 @@ class TapeSAC(ActivationCheckpointing):
         layers = model.get_submodule("layers")
         blocks = [block for block in layers.children() if block is not None]
         name = self.config.model_name or type(model).__name__
-        self.run.wrap(blocks, model=model, dump_folder=self.dump_folder, model_name=name)
+        options = self.config.compile_options
+        if options is not None:
+            options = _compile_like_torchtitan(model, options)
+        self.run.wrap(blocks, model=model, dump_folder=self.dump_folder, model_name=name, compile_options=options)
         _applied.append(self)
         logger.debug(f"Applied TapeSAC to {len(blocks)} blocks of {name}")
+
+
+def _compile_like_torchtitan(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for TapeSAC's compiled blocks, after what torchtitan 0.3's ``apply_compile``
+    sets up before it compiles the blocks itself (``torchtitan.distributed.compile``).
+
+    The same dynamo settings (process-wide, as torchtitan sets them): scalar outputs captured
+    (MoE routing), and forward side effects not replayed in a checkpointed block's backward
+    (without it, a block that enters a ``TorchFunctionMode``, as FlexAttention's mask helpers
+    do, breaks the graph around its checkpoint and runs eagerly). The same backend: with
+    ``aot_eager``, FlexAttention's regions still go to inductor. Async TP is left out: compiled
+    mode refuses TP.
+    """
+    import torch._dynamo
+    from torchtitan.distributed import compile as tt_compile
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    _no_eager_only_position_check()
+    return {**options, "backend": tt_compile._maybe_regional_inductor_backend(model, options["backend"])}
+
+
+def _no_eager_only_position_check() -> None:
+    """Skip RoPE's bounds check on positions in eager forwards too, as compiled ones do.
+
+    torchtitan 0.3 checks positions (``le``, ``all``, ``_assert_async``) only when not compiling
+    (``torchtitan.models.common.rope._maybe_check_max_pos``): the tape TapeSAC records eagerly
+    would hold ops the compiled trace does not run, and no plan could be mapped onto the trace
+    (compiled invariant 1 of ``tapesac.compiled``). So in compiled mode this process records
+    what compiles: every torchtitan module imported so far (the model is built) that holds the
+    check gets one that returns at once.
+    """
+    from torchtitan.models.common import rope
+
+    check = rope._maybe_check_max_pos
+    if getattr(check, "__tapesac__", False):
+        return
+
+    def skip_position_check(positions, *, max_valid_pos: int) -> None:
+        return None
+
+    skip_position_check.__tapesac__ = True  # type: ignore[attr-defined]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and getattr(module, "_maybe_check_max_pos", None) is check:
+            module._maybe_check_max_pos = skip_position_check

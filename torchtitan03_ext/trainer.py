@@ -20,6 +20,7 @@ from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
 from tapesac.errors import ConfigError
+from torchtitan_common import compiled
 from torchtitan_common.errors import exit_with
 from torchtitan_common.run import TapeSACRun, report_with_step_log
 
@@ -36,11 +37,8 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
     ``spmd_types`` annotations (torch >= 2.14; torch 2.13's ``fully_shard`` refuses its plain
     parameters) and is untested with TapeSAC; under ``full_dtensor`` the blocks' activations are
     DTensors and a planned step fails in replay (``aten.set_`` has no DTensor sharding strategy).
+    A compiled model runs TapeSAC's compiled mode, under its refusals (``torchtitan_common.compiled``).
     """
-    if config.compile.enable and "model" in config.compile.components:
-        raise ConfigError(
-            "compile.enable compiles the transformer blocks, but TapeSAC records them eagerly: "
-            "drop --compile.enable, or compile only the loss (--compile.components loss)")
     if not config.training.disable_cuda_graphs:
         raise ConfigError(
             "CUDA graphs replay a captured step without Python, but TapeSAC records, measures and "
@@ -53,6 +51,8 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
     if config.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
                           "--parallelism.pipeline_parallel_degree 1")
+    if compiled.compiles_blocks(config.compile):
+        compiled.check(config.activation_checkpoint, config.parallelism)
 
 
 class Trainer(tt_trainer.Trainer):
@@ -78,11 +78,27 @@ class Trainer(tt_trainer.Trainer):
                 check_neighbours(config)  # a config changed after parsing
             except ConfigError as e:
                 exit_with(e)
+            if compiled.compiles_blocks(config.compile):
+                config = _compiled_by_tapesac(config)
         super().__init__(config)
         # The TapeSAC policy applied to this model in parallelize_fn (None with another choice).
         self.tapesac = take_applied()
         if self.tapesac is not None:
             report_with_step_log(self.metrics_processor, _current_run)
+
+
+def _compiled_by_tapesac(config: "Trainer.Config") -> "Trainer.Config":
+    """``config`` with TapeSAC compiling the blocks instead of torchtitan.
+
+    torchtitan's ``parallelize_fn`` compiles each block (``apply_compile``) right after applying
+    activation checkpointing, and a compiled block cannot be recorded: torchtitan gets the
+    compile settings without ``"model"`` (the loss is still compiled when listed), and TapeSAC
+    gets ``torch.compile``'s arguments, compiling each block under its plan. The caller's config
+    is left as it was.
+    """
+    ac = dataclasses.replace(config.activation_checkpoint, compile_options=compiled.compile_options(config.compile))
+    torchtitan_compile = dataclasses.replace(config.compile, components=compiled.without_blocks(config.compile.components))
+    return dataclasses.replace(config, activation_checkpoint=ac, compile=torchtitan_compile)
 
 
 def _current_run() -> TapeSACRun | None:

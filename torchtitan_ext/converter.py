@@ -23,6 +23,7 @@ from torch import nn
 
 import tapesac
 from tapesac.errors import ConfigError
+from torchtitan_common import compiled
 from torchtitan_common.errors import exit_with
 from torchtitan_common.run import PipelineStage, Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
 
@@ -47,30 +48,8 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             f"activation_checkpoint.mode is '{ac}', but TapeSAC replaces activation checkpointing: set "
             "activation_checkpoint.mode = \"none\" (CLI: --activation_checkpoint.mode none)"
         )
-    if compiles_blocks(job_config):
-        # Compiled mode (tapesac.compiled): TapeSAC records and plans eagerly, then compiles each
-        # block under its plan. Tested under FSDP2 (and data parallel) only.
-        if cfg.mode != "plan":
-            raise ConfigError(
-                f"compile.enable with tapesac.mode = '{cfg.mode}': TapeSAC compiles a block only under a "
-                "plan, and replay-only runs eagerly. Set tapesac.mode = \"plan\", or compile only the "
-                "loss (compile.components = [\"loss\"])"
-            )
-        if cfg.debug:
-            raise ConfigError(
-                "compile.enable with tapesac.debug = true: debug mode checks eager replay, and compiled "
-                "blocks do not replay. Set tapesac.debug = false, or compile only the loss"
-            )
-        par = job_config.parallelism
-        others = [f"parallelism.{name} = {getattr(par, name)}" for name in
-                  ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree")
-                  if getattr(par, name, 1) > 1]
-        if others:
-            raise ConfigError(
-                f"TapeSAC's compiled mode (compile.enable with \"model\" in compile.components) runs under "
-                f"FSDP2 and data parallelism only, and this job sets {', '.join(others)}: set "
-                "compile.enable = false (eager TapeSAC supports them), or compile only the loss"
-            )
+    if compiled.compiles_blocks(job_config.compile):
+        compiled.check(cfg, job_config.parallelism)
     if parallel_dims is not None and getattr(parallel_dims, "cp_enabled", False):
         # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
         # ring collectives the recorder cannot replay per shard.
@@ -99,11 +78,6 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
                 "from model.converters"
             )
     return cfg
-
-
-def compiles_blocks(job_config: Any) -> bool:
-    """The job asks torchtitan to compile the model (each transformer block)."""
-    return bool(job_config.compile.enable and "model" in job_config.compile.components)
 
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
@@ -148,11 +122,11 @@ class TapeSACConverter:
             permutation.install()
         self.compile_options = None
         """torch.compile's arguments for the blocks in compiled mode, else None (eager)."""
-        if compiles_blocks(job_config):
+        if compiled.compiles_blocks(job_config.compile):
             # TapeSAC compiles the blocks itself, after recording them eagerly: torchtitan's
             # apply_compile must not wrap them first (a compiled block cannot be recorded).
-            self.compile_options = {"backend": job_config.compile.backend}
-            job_config.compile.components = [c for c in job_config.compile.components if c != "model"]
+            self.compile_options = compiled.compile_options(job_config.compile)
+            job_config.compile.components = compiled.without_blocks(job_config.compile.components)
         self.run = TapeSACRun(self.cfg)
         _CONVERTERS.add(self)
         _report_metrics()
