@@ -58,6 +58,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
+from .compiled import compiled_costs
 from .meter import AllocatorStepMeter, meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
@@ -753,6 +754,8 @@ class AutoPlanner:
         for b, g in graphs.items():
             g.op_overhead_s = replay_s
             g.record_overhead_s = record_s * len(by_block[b][0].ops)
+            if self._compiled_mode():  # plans run compiled: fused recompute, no replay
+                compiled_costs(g)
         self._log(logging.INFO, "TapeSAC: planning %d block(s) of %d kind(s) for a step-peak limit of %s",
                   len(graphs), len({g.signature for g in graphs.values()}), fmt_bytes(self.config.memory_limit_bytes))
         recordings = [(r.block, r.input_key) for r in step.recordings]

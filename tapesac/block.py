@@ -268,6 +268,10 @@ class BlockState:
         s["off_tape_bytes"] = rec.off_tape_bytes
         self.last_replayer = weakref.ref(replayer)
         self.last_tape = tape
+        if self.compiled is not None:
+            # The plan's program is known now: the next forward under this plan runs compiled,
+            # also when forwards of other shapes (other plans) run in between.
+            self.compiled.policy_for(self)
         return replayer
 
     def _check_program(self, recording: Any, key: tuple) -> ReplayProgram:

@@ -62,6 +62,33 @@ MUST_SAVE = CheckpointPolicy.MUST_SAVE
 PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+EXTERN_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward", "_flex_attention",
+})
+"""ATen ops inductor runs as kernels of their own (library matmuls and attention), whose recompute
+costs under compile what it costs eagerly; every other op (pointwise, reductions, views, norms)
+is fused into the kernels around it, and its recompute costs a fraction of its eager time."""
+
+FUSED_COST = 0.1
+"""Compiled mode's recompute cost of a fused op, as a fraction of its eager time: a pointwise
+chain recomputed inside a backward kernel adds arithmetic to a kernel that reads its inputs
+anyway. Not zero, so that of two plans of equal memory the one recomputing less is preferred."""
+
+
+def compiled_costs(graph: Any) -> None:
+    """Make a block graph's costs those of compiled recompute (in place): extern ops keep their
+    eager times, fused ops cost ``FUSED_COST`` of theirs, and TapeSAC's own per-op replay and
+    per-block recording overheads go (a compiled block neither records nor replays)."""
+    for o, name in enumerate(graph.op_names):
+        if name.split(".")[1 if name.startswith("aten.") else 0] not in EXTERN_OPS:
+            graph.op_time_s[o] *= FUSED_COST
+    graph.op_overhead_s = 0.0
+    graph.record_overhead_s = 0.0
+
+
 class MappingWarning(UserWarning):
     """A compiled trace of a block did not run the ops of its tape: the block falls back to full
     activation checkpointing (compiled invariant 2)."""
