@@ -190,7 +190,10 @@ class TapePolicy:
         decision = self._match(run, func, args, kwargs)
         if decision is None:
             where = run.step
-            if where >= len(self.expected):
+            if run.read is not None:
+                source, done, _ = run.read
+                run.departure = f"op {k} is {func} after {done} of the {source.shape[0]} elements of a tolist"
+            elif where >= len(self.expected):
                 run.departure = f"op {k} is {func}, past the tape's {len(self.expected)} ops"
             else:
                 run.departure = f"op {k} is {func} where the tape has {self.expected[where]}"
@@ -341,7 +344,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 
 _COMPILE_ERRORS = _compile_errors()
-"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it)."""
+"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it):
+raised while compiling, before any of the forward runs. An error that generated code raises as
+it runs is not one of them and propagates: inductor once emitted, in a MoE plan's forward, an
+allocation sized by an unbacked symbol before the line that reads it (``UnboundLocalError: u24``,
+torch 2.13). By then the kernels before it have run, and inductor runs input mutations in the
+graph (the MoE router's ``tokens_per_expert.add_``) and draws random seeds at its start, in no
+order TapeSAC can rely on; running the block again as full AC could apply them twice."""
 
 
 def _dispatch_mode_active() -> bool:

@@ -83,6 +83,48 @@ def test_a_trace_that_departs_otherwise_still_warns(how, departure):
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)  # the departing forward is exact
 
 
+class SplitByCounts(torch.nn.Module):
+    """Tokens grouped by a data-dependent count per group, as MoE experts split theirs: eagerly
+    ``counts.tolist()`` dispatches no op; traced, it reads each count with a select and a
+    ``_local_scalar_dense``. ``reversed_read`` reads the counts last to first under compile."""
+
+    def __init__(self, reversed_read: bool = False) -> None:
+        super().__init__()
+        self.reversed_read = reversed_read
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        group = h.argmax(-1) % 4
+        counts = torch.histc(group.float(), bins=4, min=0, max=4).long()
+        if self.reversed_read and torch.compiler.is_compiling():
+            sizes = [counts[i].item() for i in (3, 2, 1, 0)][::-1]
+        else:
+            sizes = counts.tolist()
+        # Sliced to the sum of the sizes first, as torchtitan's experts loop does: splitting all
+        # rows at once, inductor (torch 2.13) fails to compile the backward under activation
+        # checkpointing, torch's own full AC too ("expected [u4, ...] to have been codegen-ed").
+        routed = h[group.argsort(stable=True)]
+        parts = torch.split(routed[: sum(sizes)], sizes)
+        out = torch.cat([torch.tanh(p) * (i + 1) for i, p in enumerate(parts)])
+        return torch.vstack((out, out.new_zeros((x.shape[0] - sum(sizes), out.shape[-1]))))
+
+
+@pytest.mark.parametrize("reversed_read", [False, True])
+def test_a_tolist_maps_only_as_dynamo_spells_it(reversed_read):
+    torch.manual_seed(0)
+    block, x = SplitByCounts(reversed_read), torch.randn(16, 8, requires_grad=True)
+    tape = recorded_tape(block, x)
+    keep = _positions(tape, torch.ops.aten.addmm.default) + _positions(tape, torch.ops.aten.tanh.default)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as torchtitan sets it for MoE
+        _, _, grad, warned, _ = compiled_forward(block, x, keep, tape.signature())
+    if reversed_read:
+        assert len(warned) == 1 and "select.int" in str(warned[0].message)
+    else:
+        assert not warned, [str(w.message) for w in warned]
+    torch.testing.assert_close(grad, torch.autograd.grad(block(x).sum(), x)[0], rtol=1e-5, atol=1e-6)
+
+
 def _moe_block():
     """One block of the bench's quick ``qwen3_moe`` (``tools/bench.py``, ``model_specs``): qwen3
     attention, 8 experts (top 2, one shared), whose CPU path splits tokens by ``tolist()``
