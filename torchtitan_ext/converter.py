@@ -19,6 +19,7 @@ import sys
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 import tapesac
@@ -153,6 +154,10 @@ class TapeSACConverter:
             # apply_compile must not wrap them first (a compiled block cannot be recorded).
             self.compile_options = {"backend": job_config.compile.backend}
             job_config.compile.components = [c for c in job_config.compile.components if c != "model"]
+            # apply_compile also turns this on, for token-choice MoE: its experts read their token
+            # counts with tolist(), where dynamo otherwise breaks the graph, and a MoE block's
+            # checkpoint then runs eagerly under its compiled wrapper.
+            torch._dynamo.config.capture_scalar_outputs = True
         self.run = TapeSACRun(self.cfg)
         _CONVERTERS.add(self)
         _report_metrics()
