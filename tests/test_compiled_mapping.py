@@ -84,6 +84,29 @@ def test_a_trace_that_departs_otherwise_still_warns(how, departure):
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)  # the departing forward is exact
 
 
+class UnpacksItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        a, b = x
+        return torch.tanh(self.lin(a)) * b
+
+
+def test_unpacking_a_block_input_maps_though_the_trace_runs_no_op_for_it():
+    """Views of a block input are taken outside SAC's region under compile: the tape's unbind
+    (its outputs free to hold, as views of an input) has no op in the trace."""
+    torch.manual_seed(0)
+    block, x = UnpacksItsInput(), torch.randn(2, 4, 8, requires_grad=True)
+    tape = recorded_tape(block, x)
+    kept, _, grad, warned, _ = compiled_forward(block, x, _positions(tape, torch.ops.aten.addmm.default),
+                                                tape.signature())
+    assert not warned, [str(w.message) for w in warned]
+    assert kept == 4 * 8 * 4
+    torch.testing.assert_close(grad, torch.autograd.grad(block(x).sum(), x)[0], rtol=1e-5, atol=1e-6)
+
+
 class SplitByCounts(torch.nn.Module):
     """Tokens grouped by a data-dependent count per group, as MoE experts split theirs: eagerly
     ``counts.tolist()`` dispatches no op; traced, it reads each count with a select and a
