@@ -10,8 +10,26 @@ Invariants (cited as "compiled invariant N" where they are kept):
 
 1. Positions are checked, never assumed. Every pass of SAC over the block (one per trace under
    compile, one per forward when it runs eagerly) must see exactly the tape's ops, in order,
-   with the same overloads (ops SAC ignores, ``SAC_IGNORED_OPS``, skipped on both sides). A pass
-   that departs (a graph break, a decomposition, another program) marks the policy broken.
+   with the same overloads (ops SAC ignores, ``SAC_IGNORED_OPS``, and shape checks without
+   outputs, ``SHAPE_CHECK_OPS``, skipped on both sides), up to the spellings dynamo is known to
+   trace differently from eager code (torch 2.13), each accepted only where and as written here:
+
+   a. ``unbind.int(t, d)`` with n outputs (Python unpacking, ``q, k, v = t``) as the run
+      ``select.int(t, d, 0)``, ..., ``select.int(t, d, n - 1)``, nothing in between; each
+      select gets the decision for its output (a kept output is saved). When all n outputs
+      alias a block input or a parameter, the trace may run no op for it at all: those views
+      are taken outside SAC's region, and holding them costs nothing.
+   b. Off the tape, ``t.tolist()`` of a 1-d tensor of static length n, which dispatches no op
+      eagerly, as the run ``select.int(t, 0, i)``, ``_local_scalar_dense`` for i = 0 .. n - 1,
+      all of it, on the same tensor, wherever the tape's next op does not match first. The
+      scalars are saved (invariant 5), the selects recomputed.
+   c. Off the tape, ``clone.default`` of one tensor: ``dropout`` with ``p = 0`` or in eval mode
+      returns its input eagerly (no op) and traces as ``input.clone()``
+      (``torch._decomp.decompositions.dropout``). A copy changes no value; it is recomputed.
+
+   ``split``, ``split_with_sizes``, ``chunk`` and ``tensor_split`` trace as the op eager code
+   runs, so they need no other spelling. A pass that departs otherwise (a graph break, another
+   decomposition, another program) marks the policy broken.
 2. A broken policy warns once, naming the block and the first op that differs, and the block
    runs full activation checkpointing from its next forward on (every op recomputed: the lowest
    memory there is). SAC's choices decide memory only, never values: the forward that found the
@@ -23,10 +41,16 @@ Invariants (cited as "compiled invariant N" where they are kept):
    first one's saved set. Blocks with the same policy (tape signature and keep set) share one.
 4. Counters start at zero in every ``context_fn`` call (one per forward, one per trace).
 5. Ops TapeSAC never replays (collectives, data-dependent and effectful ops, ``keep_only`` on
-   the tape) are saved in every plan, as in eager mode, so the plan's memory model holds.
+   the tape) are saved in every plan, as in eager mode, so the plan's memory model holds; so are
+   the scalars a traced ``tolist`` reads (1b), which eager code reads once and replay reuses.
 6. A kept value whose storage the block writes in place later is recomputed, not saved: SAC
    holds the tensor itself (no snapshot as eager TapeSAC takes), and refuses a saved tensor that
    changed. Such a block saves less than its plan.
+7. A kept view is saved through the op that made its storage as well. The partitioner never
+   bans recomputing a view op (``select``, ``view``, ``permute``, ``slice``, ...), so it drops
+   ``MUST_SAVE`` on one; the plan counts the view's whole storage, which saving the storage's
+   maker holds, whatever spelling the view takes (1a). A multi-output view (``unbind``) that SAC
+   saves itself aliases the same storage: no more bytes.
 
 Memory is checked on a compiled step itself, measured (on CUDA the first under a plan, by the
 allocator's statistics, not yet run on a GPU; on CPU the second, by the allocator's events,
@@ -54,7 +78,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
-from .tape import Tape
+from .tape import PRODUCED, Tape
 
 log = logging.getLogger("tapesac")
 
@@ -94,30 +118,80 @@ class MappingWarning(UserWarning):
     activation checkpointing (compiled invariant 2)."""
 
 
-class TapePolicy:
-    """One block's keep set as a checked SAC policy (compiled invariants 1, 4, 5 and 6).
+_SELECT = torch.ops.aten.select.int
+_UNBIND = torch.ops.aten.unbind.int
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_CLONE = torch.ops.aten.clone.default
 
-    ``expected`` is the op stream SAC sees, ``save`` the decision per position. ``passes`` counts
-    the passes seen (``context_fn`` calls); :meth:`check` reads the passes finished since the
-    last check and returns a description of the first departure, or None."""
+SHAPE_CHECK_OPS = frozenset({
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})
+"""Ops that return nothing and only check symbolic sizes: dynamo inserts them for the unbacked
+sizes of data-dependent code (``tolist``, ``item``), eager code calls them rarely. Having no
+outputs, they have nothing to save; the mapping skips them on both sides (compiled invariant 1)."""
+
+
+class _Pass:
+    """Where one pass of SAC over a block stands in the expected stream."""
+
+    __slots__ = ("seen", "step", "spelled", "read", "departure")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        """Ops SAC asked about (shape checks left out)."""
+        self.step = 0
+        """The next tape op (index into ``TapePolicy.expected``)."""
+        self.spelled = 0
+        """Inside the select spelling of the tape op ``step``: how many of its selects ran."""
+        self.read: list | None = None
+        """Inside an off-tape ``tolist`` read: [the tensor read, elements read, scalar pending]."""
+        self.departure: str | None = None
+
+
+class TapePolicy:
+    """One block's keep set as a checked SAC policy (compiled invariants 1, 4, 5, 6 and 7).
+
+    ``expected`` is the op stream SAC sees when it runs the tape's ops, ``save`` the decision per
+    position; ``spellings`` maps a position to the decisions of its other accepted spelling, one
+    per output (compiled invariant 1). ``passes`` counts the passes seen (``context_fn`` calls);
+    :meth:`check` reads the passes finished since the last check and returns a description of the
+    first departure, or None."""
 
     def __init__(self, block: int, tape: Tape, keep: frozenset | set) -> None:
         self.block = block
-        kept_ops = {op for op, _slot in keep}
+        keep = set(keep)
+        kept_ops = {op for op, _slot in keep} | _storage_producers(tape, keep)
         # SAC cannot save a tensor that the block later writes in place (eager SAC raises in
         # backward): such values are recomputed instead, less memory than the plan (invariant 6).
         written = {tape.values[before].sid for op in tape.ops for before, _after in op.writes}
         self.expected: list[Any] = []
         self.save: list[bool] = []
+        self.spellings: dict[int, tuple[int, tuple[bool, ...]]] = {}
+        """Position of an ``unbind`` -> (its dim, the decision for each output's ``select``)."""
+        self.absent: set[int] = set()
+        """Positions of ``unbind`` ops of external tensors, which a trace may not run at all."""
         for i, op in enumerate(tape.ops):
-            if op.func in SAC_IGNORED_OPS:
+            if op.func in SAC_IGNORED_OPS or op.func in SHAPE_CHECK_OPS:
                 continue
+            overwritten = [v is not None and tape.values[v].sid in written for v in op.outs]
+            if op.func is _UNBIND:
+                # Python unpacking of a tensor (``q, k, v = t``) runs unbind eagerly; dynamo traces
+                # it as one select per output. A kept output is saved as its select.
+                dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+                self.spellings[len(self.expected)] = (dim, tuple(
+                    op.keep_only is not None or ((i, slot) in keep and not overwritten[slot])
+                    for slot in range(op.n_returned)))
+                if all(v is None or tape.values[v].free for v in op.outs):
+                    # Unpacking a block input or a parameter: the trace runs no op at all (the
+                    # views are taken outside SAC's region). Such views cost nothing to hold.
+                    self.absent.add(len(self.expected))
             self.expected.append(op.func)
-            overwritten = any(v is not None and tape.values[v].sid in written for v in op.outs)
-            self.save.append(op.keep_only is not None or (i in kept_ops and not overwritten))
+            self.save.append(op.keep_only is not None or (i in kept_ops and not any(overwritten)))
         self.passes = 0
-        self._runs: list[list] = []
-        """Per pass not yet checked: [ops seen, first departure or None]."""
+        self._runs: list[_Pass] = []
+        """The passes not yet checked."""
         self.context_fn = self._make_context_fn()
 
     def _make_context_fn(self) -> Callable[[], tuple]:
@@ -125,36 +199,130 @@ class TapePolicy:
         policy = self
 
         def context_fn() -> tuple:
-            run = [0, None]  # compiled invariant 4: a fresh counter per pass
+            run = _Pass()  # compiled invariant 4: a fresh counter per pass
             policy._runs.append(run)
             policy.passes += 1
-            return create_selective_checkpoint_contexts(lambda ctx, func, *a, **k: policy._decide(run, func))
+            return create_selective_checkpoint_contexts(
+                lambda ctx, func, *args, **kwargs: policy._decide(run, func, args, kwargs))
 
         return context_fn
 
-    def _decide(self, run: list, func: Any) -> CheckpointPolicy:
-        k = run[0]
-        run[0] += 1
-        if run[1] is not None:
+    def _decide(self, run: _Pass, func: Any, args: tuple, kwargs: dict) -> CheckpointPolicy:
+        if func in SHAPE_CHECK_OPS:
+            return PREFER_RECOMPUTE  # no outputs: nothing to save
+        k = run.seen
+        run.seen += 1
+        if run.departure is not None:
             return PREFER_RECOMPUTE
-        if k >= len(self.expected):
-            run[1] = f"op {k} is {func}, past the tape's {len(self.expected)} ops"
+        decision = self._match(run, func, args, kwargs)
+        if decision is None:
+            where = run.step
+            if run.read is not None:
+                source, done, _ = run.read
+                run.departure = f"op {k} is {func} after {done} of the {source.shape[0]} elements of a tolist"
+            elif where >= len(self.expected):
+                run.departure = f"op {k} is {func}, past the tape's {len(self.expected)} ops"
+            else:
+                run.departure = f"op {k} is {func} where the tape has {self.expected[where]}"
             return PREFER_RECOMPUTE
-        if func != self.expected[k]:
-            run[1] = f"op {k} is {func} where the tape has {self.expected[k]}"
+        return decision
+
+    def _match(self, run: _Pass, func: Any, args: tuple, kwargs: dict) -> CheckpointPolicy | None:
+        """The decision for ``func`` at the pass's place in the expected stream, advancing it; None
+        when ``func`` is no accepted spelling there (compiled invariant 1)."""
+        if run.read is not None:  # inside a tolist read: its scalar, or the next element's select
+            return self._read_on(run, func, args)
+        if run.spelled:  # inside an unbind spelled as selects: the next select
+            dim, saves = self.spellings[run.step]
+            if func is not _SELECT or tuple(args[1:3]) != (dim, run.spelled):
+                return None
+            decision = saves[run.spelled]
+            run.spelled += 1
+            if run.spelled == len(saves):
+                run.spelled, run.step = 0, run.step + 1
+            return MUST_SAVE if decision else PREFER_RECOMPUTE
+        k = run.step
+        while k in self.absent and func != self.expected[k] and not self._starts_spelling(k, func, args):
+            k = run.step = k + 1  # unpacked outside SAC's region
+        if k < len(self.expected) and func == self.expected[k]:
+            run.step += 1
+            return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
+        if self._starts_spelling(k, func, args):
+            run.spelled = 1
+            saves = self.spellings[k][1]
+            if len(saves) == 1:
+                run.spelled, run.step = 0, k + 1
+            return MUST_SAVE if saves[0] else PREFER_RECOMPUTE
+        if func is _CLONE and len(args) == 1 and not kwargs:
+            return PREFER_RECOMPUTE  # dropout that eager code skipped (1c): a copy, recomputed
+        if func is _SELECT and _starts_tolist(args):
+            run.read = [args[0], 0, True]
             return PREFER_RECOMPUTE
-        return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
+        return None
+
+    def _starts_spelling(self, k: int, func: Any, args: tuple) -> bool:
+        return k in self.spellings and func is _SELECT and tuple(args[1:3]) == (self.spellings[k][0], 0)
+
+    def _read_on(self, run: _Pass, func: Any, args: tuple) -> CheckpointPolicy | None:
+        """Dynamo traces ``t.tolist()`` of a 1-d tensor, which dispatches nothing eagerly (so the
+        tape has no op for it), as ``select(t, 0, i)`` then ``_local_scalar_dense`` per element,
+        in order. The scalars are data-dependent and saved, as the tape keeps ``item``'s
+        (compiled invariant 5); the selects are views, recomputed."""
+        source, done, scalar_pending = run.read
+        if scalar_pending:
+            if func is not _SCALAR:
+                return None
+            run.read[1:] = [done + 1, False]
+            if done + 1 == source.shape[0]:
+                run.read = None
+            return MUST_SAVE
+        if func is not _SELECT or args[0] is not source or tuple(args[1:3]) != (0, done):
+            return None
+        run.read[2] = True
+        return PREFER_RECOMPUTE
 
     def check(self) -> str | None:
         """The first departure among the passes finished since the last check (compiled
         invariant 1), or None. Call it between forwards, never inside one."""
         runs, self._runs = self._runs, []
-        for seen, departure in runs:
-            if departure is None and seen != len(self.expected):
-                departure = f"the trace ran {seen} ops, the tape has {len(self.expected)}"
+        for run in runs:
+            departure = run.departure
+            if departure is None and run.read is not None:
+                departure = f"the trace stopped inside a tolist of {run.read[0].shape[0]} elements"
+            elif departure is None and (self._end(run.step) != len(self.expected) or run.spelled):
+                departure = f"the trace ran the tape's first {run.step} of {len(self.expected)} ops"
             if departure is not None:
                 return departure
         return None
+
+    def _end(self, step: int) -> int:
+        """The position a pass that stopped at ``step`` reached: unpackings it ran outside SAC's
+        region (1a) count as run."""
+        while step in self.absent:
+            step += 1
+        return step
+
+
+def _storage_producers(tape: Tape, keep: set) -> set[int]:
+    """The ops that made the storages of the kept values that are views of another op's output
+    (compiled invariant 7)."""
+    made_by: dict[int, int] = {}
+    """sid -> the op that made the storage (-1: made outside the block)."""
+    for v in tape.values:
+        made_by.setdefault(v.sid, v.op if v.kind == PRODUCED else -1)
+    producers = set()
+    for op, slot in keep:
+        vid = tape.ops[op].outs[slot] if slot < len(tape.ops[op].outs) else None
+        if vid is not None and made_by.get(tape.values[vid].sid, -1) not in (-1, op):
+            producers.add(made_by[tape.values[vid].sid])
+    return producers
+
+
+def _starts_tolist(args: tuple) -> bool:
+    """``select(t, 0, 0)`` of a 1-d tensor with a static length: how dynamo starts ``t.tolist()``."""
+    t = args[0]
+    return (isinstance(t, torch.Tensor) and t.dim() == 1 and isinstance(t.shape[0], int)
+            and t.shape[0] > 0 and tuple(args[1:3]) == (0, 0))
 
 
 class _RecomputeAll:
@@ -203,7 +371,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 
 _COMPILE_ERRORS = _compile_errors()
-"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it)."""
+"""What a backend raises when it cannot compile a traced plan (compiled invariant 2 covers it):
+raised while compiling, before any of the forward runs. An error that generated code raises as
+it runs is not one of them and propagates: inductor once emitted, in a MoE plan's forward, an
+allocation sized by an unbacked symbol before the line that reads it (``UnboundLocalError: u24``,
+torch 2.13). By then the kernels before it have run, and inductor runs input mutations in the
+graph (the MoE router's ``tokens_per_expert.add_``) and draws random seeds at its start, in no
+order TapeSAC can rely on; running the block again as full AC could apply them twice."""
 
 
 def _dispatch_mode_active() -> bool:

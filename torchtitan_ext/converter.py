@@ -19,6 +19,7 @@ import sys
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 import tapesac
@@ -127,6 +128,10 @@ class TapeSACConverter:
             # apply_compile must not wrap them first (a compiled block cannot be recorded).
             self.compile_options = compiled.compile_options(job_config.compile)
             job_config.compile.components = compiled.without_blocks(job_config.compile.components)
+            # apply_compile also turns this on, for token-choice MoE: its experts read their token
+            # counts with tolist(), where dynamo otherwise breaks the graph, and a MoE block's
+            # checkpoint then runs eagerly under its compiled wrapper.
+            torch._dynamo.config.capture_scalar_outputs = True
         self.run = TapeSACRun(self.cfg)
         _CONVERTERS.add(self)
         _report_metrics()
