@@ -360,14 +360,14 @@ class AutoPlanner:
         self._starts: dict[str, tuple[int, str]] = {}
         """Step key -> its first recording (block, input signature): how such a step begins."""
         self._last_active: StepPlan | None = None
-        self._last_policy: Policy | None = None
         """The policy the last step ran under from start to end (None: it did not)."""
-        """The plan the last step ran under (None: replay-only)."""
         self.last_step_mode = "warm-up"
         """How the last step ran, in words: warm-up, profiled, planned, verified, replay-only."""
         self._retains = False
         """Some step of this run backwarded a recording twice: plans must be made for it (phase 4)."""
         self._warned_no_boundary = False
+        self._profile_wanted = False
+        """Compiled mode on CPU: a step without a plan ran unprofiled (see _begin_step)."""
         for s in handle.blocks:
             s.controller = self
         # The hook is process-wide: it holds the planner weakly, and goes with it or remove().
@@ -582,7 +582,11 @@ class AutoPlanner:
         self._last_active = step.active if step.active is not None and step.active.key in self.plans else None
         active = step.active
         planned = active is not None and active.key == key and not off_plan
-        self._last_policy = active.policy if planned else None
+        if purpose == "profile":
+            self._profile_wanted = False
+        elif (not planned and self.phase is not Phase.WARMUP and key not in self.plans
+              and key not in self._unplannable and self._compiled_mode() and self.device.type != "cuda"):
+            self._profile_wanted = True
         self.last_step_mode = ("profiled" if purpose == "profile" else "warm-up" if self.phase is Phase.WARMUP
                                else "verified" if purpose == "verify" and planned and not active.verified
                                else "replay-only (no plan for a retained graph yet)" if purpose == "retained"
@@ -608,7 +612,8 @@ class AutoPlanner:
             self.phase = Phase.PLANNED
         elif (purpose == "verify" and (memory is not None or allocator_peak is not None) and same and not off_plan
               and active is not None and active.key == key and not active.verified):
-            self._verify(active, memory.baseline_peak() if memory is not None else allocator_peak)
+            self._verify(active, memory.baseline_peak() if memory is not None else allocator_peak,
+                         "trace" if memory is not None else "allocator events")
         elif (purpose == "retained" and twice and memory is not None and same and not off_plan
               and active is not None and active.key == key and key in self.plans and not active.retained):
             self._add_retained(active, memory)
@@ -654,15 +659,25 @@ class AutoPlanner:
             self._give_up(last_key, f"already {len(self.plans)} plans (max_plans)")
             unplanned = False
         awaiting = any(self._awaits_retained(e) for e in self.plans.values())
-        if unplanned or awaiting or (self.config.verify and any(not e.verified for e in self.plans.values())):
+        # Compiled mode on CPU: a step of shapes without a plan that could not be profiled (an
+        # allocator trace, or none, was running) wants the next trace to be one that can profile.
+        wanted = self._profile_wanted and len(self.plans) < self.config.max_plans
+        if unplanned or awaiting or wanted or (self.config.verify and any(not e.verified for e in self.plans.values())):
             # Only a verify can follow: in compiled mode on CPU measure it with the allocator,
             # under which the step runs compiled (the storage counter would make it run eagerly).
-            compiled_cpu = not unplanned and not awaiting and self.device.type != "cuda" and self._compiled_mode()
-            if compiled_cpu and not any(e.policy is self._last_policy for e in self.plans.values() if not e.verified):
+            compiled_cpu = (not unplanned and not awaiting and not wanted and self.device.type != "cuda"
+                            and self._compiled_mode())
+            if compiled_cpu and not any(self._compiled_already(e) for e in self.plans.values() if not e.verified):
                 # The first step under a new plan compiles it, unmeasured: compiling under the
-                # profiler crashed the process (torch 2.13, CPU). The step after it is measured.
+                # profiler crashed the process (torch 2.13, CPU). A step after it is measured.
                 return
             self._start_trace("pending", allocator=compiled_cpu and AllocatorStepMeter.available())
+
+    def _compiled_already(self, entry: StepPlan) -> bool:
+        """Every block of ``entry``'s plan has compiled code for it (compiled mode): a step under
+        it compiles nothing. Every rank runs the same programs, so every rank agrees."""
+        runner = self.handle.blocks[0].compiled if self.handle.blocks else None
+        return runner is not None and all(runner.has_compiled(b, p) for b, p in entry.policy.blocks.items())
 
     def _resolve_trace(self, active: StepPlan | None, start: tuple[int, str]) -> None:
         """At a traced step's first block forward: profile it if no plan starts this way, or if it
@@ -676,10 +691,17 @@ class AutoPlanner:
             purpose = "profile"
         elif active is not None and self._awaits_retained(active):
             purpose = "retained"
-        elif active is not None and self.config.verify and not active.verified:
+        elif (active is not None and self.config.verify and not active.verified
+              and not (self._trace is not None and self.device.type != "cuda" and self._compiled_mode()
+                       and AllocatorStepMeter.available())):
+            # (In compiled mode on CPU the storage counter, a dispatch mode, would measure the
+            # plan run eagerly, not compiled: a later step under the plan is measured with the
+            # allocator instead.)
             purpose = "verify"
         else:
             purpose = None
+        if purpose == "verify" and self._allocator is not None and not self._compiled_already(active):
+            purpose = None  # this step compiles the plan: not under the profiler (see _begin_step)
         if purpose is None or (self._allocator is not None and purpose != "verify"):
             # An allocator trace cannot profile (no windows): the next step, which starts the
             # same way after an unplanned one, is profiled under the storage counter.
@@ -837,15 +859,17 @@ class AutoPlanner:
                      group.get("summary", f"keeps {len(group['kept'])} values"),
                      " (runs as plain autograd)" if plain else "")
 
-    def _verify(self, entry: StepPlan, measured: float) -> None:
-        """``measured``: this rank's peak of the first step under ``entry``'s plan."""
+    def _verify(self, entry: StepPlan, measured: float, meter: str = "trace") -> None:
+        """``measured``: this rank's peak of the first step under ``entry``'s plan measured, by
+        ``meter``: the step trace's (a storage counter on CPU, which runs compiled blocks
+        eagerly; allocator statistics on CUDA), or the CPU allocator's events (compiled code)."""
         if tdist.active(self.group):
             measured = max(tdist.all_gather(measured, self.group))
         predicted = entry.policy.predicted_peak_bytes
         limit = self.config.memory_limit_bytes
         self.history.append({"step": self.steps, "step_key": entry.key, "limit_bytes": limit,
                              "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
-                             "measured_peak_bytes": measured, "compiled": self._compiled_mode()})
+                             "measured_peak_bytes": measured, "compiled": self._compiled_mode(), "meter": meter})
         self._log(logging.INFO, "TapeSAC: first step under the plan: measured peak %s (predicted %s, limit %s)", fmt_bytes(measured),
                  fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True

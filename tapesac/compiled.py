@@ -422,6 +422,17 @@ class CompiledRunner:
         self._policies[key] = TapePolicy(state.index, tape, entry.keep)
         return key
 
+    def has_compiled(self, index: int, block_policy: Any) -> bool:
+        """Block ``index`` has compiled code for ``block_policy`` (a ``BlockPolicy``): a step under
+        it runs compiled, with nothing left to compile."""
+        if block_policy.passthrough:
+            key: Any = ("passthrough", block_policy.signature)
+        else:
+            key = (block_policy.signature, frozenset(block_policy.keep))
+            if key in self.broken:
+                key = "recompute-all"
+        return (index, key) in self._compiled
+
     def clear(self) -> None:
         """Drop every compiled function (``handle.remove()``): they hold the blocks' forwards."""
         self._compiled.clear()

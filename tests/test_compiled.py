@@ -377,3 +377,55 @@ def test_raising_into_slack_bisects_between_plans_measured_within_and_over():
         assert [h["planned_limit_bytes"] for h in planner.history][:3] == [first_limit, raised, middle]
     finally:
         handle.remove()
+
+
+def test_alternating_shapes_and_a_shared_block_are_each_planned_and_measured_compiled():
+    """Sequence lengths alternating step by step, block 1 applied twice: each shape is profiled
+    (a step without a plan asks for a trace that can profile, not the allocator's), each plan
+    is measured on a compiled step of its own (not eagerly under the storage counter, and not on
+    the step that compiles it), and from then on every block runs compiled; the losses agree
+    with compile without activation checkpointing."""
+    steps, seqs, order = 10, (64, 96), [0, 1, 2, 1]
+
+    def run(tapesac_limit):
+        torch._dynamo.reset()
+        model = unbind_model(blocks=3)
+        model.order = order
+        handle = None
+        if tapesac_limit is None:
+            for block in model.layers:
+                block.compile()
+        else:
+            handle = tapesac.wrap(model.layers, compile=True,
+                                  plan_config=PlanConfig(memory_limit_bytes=tapesac_limit))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, compiled = [], []
+        try:
+            for step in range(steps):
+                opt.zero_grad(set_to_none=True)
+                loss = model(tokens(step, 0, seqs[step % 2]))
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+                if handle is not None:
+                    compiled.append(all(s["compiled"] for s in handle.stats().values()))
+            planner = handle.planner if handle is not None else None
+            result = (losses, compiled, planner and list(planner.history),
+                      planner and [e.verified for e in planner.plans.values()])
+        finally:
+            if handle is not None:
+                handle.remove()
+        return result
+
+    expected, _, _, _ = run(None)
+    # Between the smallest peak eager planned mode reaches here (1.9 MB) and no AC's (4.2 MB).
+    limit = 2_600_000
+    losses, compiled, history, verified = run(limit)
+    assert verified == [True, True], history  # both shapes planned, both measured
+    assert len({h["step_key"] for h in history}) == 2
+    assert all(h["meter"] == "allocator events" for h in history), history
+    assert_runs_within = [h for h in history if h["measured_peak_bytes"] <= limit]
+    assert len(assert_runs_within) == len(history), history
+    assert compiled[-2:] == [True, True], compiled
+    diffs = [abs(a - b).item() for a, b in zip(expected, losses)]
+    assert max(diffs) <= LOSS_TOL, diffs
