@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -327,7 +328,7 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
                     for name, _o in compile_policies(compile_budgets) if name != "compile no AC"]
     for name, limit, extra in planned:
         log(f"  planning {name}: limit {limit / 2**20:.1f} MiB")
-        r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", f"{limit / 2**30:.9f}", *extra],
+        r = Runner(name, spec, spec.config, [*common, "--tapesac.limit_gib", repr(math.ceil(limit) / 2**30), *extra],
                    tapesac=True)
         r.limit_bytes = r.converter.limit_bytes
         try:
