@@ -42,7 +42,7 @@ def frontier_figure(result: dict[str, Any]):
             ax.annotate(ends[1], (xs[-1], ys[-1]), xytext=(-4, 10), textcoords="offset points",
                         fontsize=8, va="bottom", ha="right")
 
-    for colour, extra in zip(("tab:green", "tab:purple", "tab:brown"), result.get("frontiers", [])):
+    for colour, extra in zip(("black", "tab:purple", "tab:brown"), result.get("frontiers", [])):
         exs = [axes.memory(p["memory"]) for p in extra["points"]]
         eys = [axes.time(p["recompute_time"]) for p in extra["points"]]
         ax.step(exs, eys, where="post", color=colour)
