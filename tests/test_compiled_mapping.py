@@ -201,7 +201,7 @@ def test_the_bench_moe_block_runs_its_plan_compiled_without_falling_back():
     torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_torchtitan_compiled_mode_lets_dynamo_capture_scalar_outputs(monkeypatch):
+def test_torchtitan_compiled_mode_lets_dynamo_capture_scalar_outputs():
     """torchtitan's apply_compile, which compiled mode leaves out (TapeSAC compiles the blocks),
     turns on ``capture_scalar_outputs`` for MoE; the converter does in its place, or the experts'
     ``tolist()`` breaks the graph and the block's checkpoint runs eagerly."""
@@ -211,9 +211,11 @@ def test_torchtitan_compiled_mode_lets_dynamo_capture_scalar_outputs(monkeypatch
 
     from torchtitan_ext.converter import TapeSACConverter
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
     config = Path(__file__).resolve().parents[1] / "train_configs" / "qwen3_moe_debug_cpu.toml"
     cfg = ConfigManager().parse_args(["--job.config_file", str(config),
                                       "--compile.enable", "--compile.components", "model"])
-    TapeSACConverter(cfg, ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1))
-    assert torch._dynamo.config.capture_scalar_outputs
+    # dynamo's own patch, not monkeypatch: monkeypatch's undo deleted the setting from dynamo's
+    # config module, and a later test in the same worker failed on its absence
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        TapeSACConverter(cfg, ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1))
+        assert torch._dynamo.config.capture_scalar_outputs
