@@ -25,8 +25,9 @@ Phases (:class:`Phase`), the same on every rank:
    ``2 * RAISE_HEADROOM`` of the limit under it re-plans for the limit raised by that slack less ``RAISE_HEADROOM`` (the plan's
    eager memory model counts transients fused kernels never make): at most ``max_replans``
    raises; a raised plan measured over the limit goes back to the last plan measured within it,
-   and the next raise, if any, is solved halfway between the two planned limits (a bisection). The user's limit is never relaxed: every plan a step keeps running under was
-   measured within it.
+   and the next raise, if any, is solved halfway between the two planned limits (a bisection).
+   The user's limit is never relaxed: every plan a step keeps running under was measured within
+   it.
 4. Once a step of the run has backwarded a recording twice (a graph retained for a second
    backward), every plan must also be made from a traced step that did so: the step key names
    the forwards only, and a trace of a step that freed its graph as it went shows less than one
