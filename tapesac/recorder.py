@@ -60,6 +60,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ReplayError, TapeSACError
@@ -240,7 +241,8 @@ class _FollowStep:
 
     __slots__ = ("func", "info", "args", "kwargs", "outs", "n_returned", "holds", "rng", "view_of",
                  "after", "written", "next_vid", "may_differ", "single", "tensors", "lists", "kw_tensors",
-                 "const_pos", "consts", "const_types", "kw_const_names", "kw_consts", "kw_const_types")
+                 "const_pos", "consts", "const_types", "kw_const_names", "kw_consts", "kw_const_types",
+                 "call", "fast", "nargs")
 
     def __init__(self, op: TapeOp, held: set[int]) -> None:
         self.func = op.func
@@ -278,6 +280,13 @@ class _FollowStep:
         self.kw_const_names = tuple(k for k, a in op.kwargs.items() if not _has_ref(a))
         self.kw_consts = tuple(op.kwargs[k] for k in self.kw_const_names)
         self.kw_const_types = tuple(map(type, self.kw_consts))
+        self.call = getattr(op.func, "_op", op.func)
+        """The overload's C++ callable (an ``OpOverload`` call is one Python frame around it)."""
+        self.nargs = len(op.args)
+        self.fast = (self.single and not self.rng and not lists and not op.kwargs
+                     and op.func not in _DTENSOR_STEPS)
+        """The common op (one tensor out, nothing written, no generator, positional tensors and
+        constants only): :meth:`Recorder._follow_op` checks it inline."""
 
 
 class FollowPlan:
@@ -321,6 +330,8 @@ class FollowPlan:
             step.next_vid = next_vid
             steps.append(step)
         self.steps = steps
+        self.replayable = frozenset(v.vid for v in values if v.kind == PRODUCED and not v.free)
+        """Values a saved tensor is packed as a :class:`Saved` handle of (the rest as they are)."""
         self.reads = {v.vid: v.reads for v in values if v.reads}
         """vid -> times autograd saved it: a followed forward must save the same."""
         self.last_versions = tape.last_versions()
@@ -364,7 +375,21 @@ def _copy(t: Tensor) -> Tensor:
 _DETACH = torch.ops.aten.detach.default
 
 
-class ProgramCheck(TorchDispatchMode):
+class _Mode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` turns dynamo off for its own frames itself.
+
+    ``TorchDispatchMode`` wraps a subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``,
+    so that a compiled region never traces into the mode. That wrapper is two Python frames and a
+    stance lookup per op: 1.8 us of the 10.5 us a do-nothing mode cost per op on the benchmark
+    machine. Subclasses do what it does, directly, around their body: ``prior =
+    _set_eval_frame(None)``, then ``_set_eval_frame(prior)`` in a ``finally``."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class ProgramCheck(_Mode):
     """Runs a block unrecorded (pass-through) and hashes the ATen overloads it dispatches, with
     the recorder's rule for what reaches a tape (an op that returns no tensor and writes nothing
     does not): equal to :meth:`Tape.program_hash` of the same program, at a fraction of the cost
@@ -375,18 +400,22 @@ class ProgramCheck(TorchDispatchMode):
         self.program_hash = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is _DETACH:  # see Tape.program_hash
+        prior = _set_eval_frame(None)  # see _Mode
+        try:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func is _DETACH:  # see Tape.program_hash
+                return out
+            info = op_info(func)
+            if (info.write_args and written_tensors(info, args, kwargs)) or any(
+                    isinstance(o, Tensor) for o in flatten_outputs(out)):
+                self.program_hash = hash((self.program_hash, func))
             return out
-        info = op_info(func)
-        if (info.write_args and written_tensors(info, args, kwargs)) or any(
-                isinstance(o, Tensor) for o in flatten_outputs(out)):
-            self.program_hash = hash((self.program_hash, func))
-        return out
+        finally:
+            _set_eval_frame(prior)
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(_Mode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
@@ -445,13 +474,28 @@ class Recorder(TorchDispatchMode):
         """Bytes of distinct storages autograd saved that are on no tape value (held as they are,
         never replayable): what TapeSAC could not see being made."""
         self._off_tape_storages: set[int] = set()
+        self._off_tape_later: list[tuple[int, weakref.ref, Tensor]] = []
+        """Follow mode: saved tensors on no value yet, counted or not at the end (_flush_off_tape)."""
         self._dtensors: dict[int, tuple[weakref.ref, int]] = {}
         """Follow mode: vid -> (this forward's DTensor of that value, its shard's version then):
         for :func:`local_shard` steps, and to see a write through the shard (invariant 8)."""
         ref = weakref.ref(self)
 
         def pack(t: Tensor) -> Any:
-            return ref()._pack(t)
+            rec = ref()
+            plan = rec._plan
+            if plan is not None and type(t) in _PLAIN:
+                # Following, the common case inline (:meth:`_follow_pack` has the rest): a value
+                # of the tape, unwritten since it was made, that replay can make again.
+                ent = rec._fids.get(id(t))
+                if ent is not None and ent[1] in plan.replayable and ent[0]() is t and t._version == ent[2]:
+                    vid = ent[1]
+                    reads = rec._reads
+                    reads[vid] = reads.get(vid, 0) + 1
+                    handle = Saved(rec.link, vid, t)
+                    rec._saved.append(handle)
+                    return handle
+            return rec._pack(t)
 
         self.pack = pack
         """The pack hook. Autograd keeps it in every saved variable, so it refers to the recorder
@@ -621,15 +665,19 @@ class Recorder(TorchDispatchMode):
             self.held[vid] = copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        if self._bypass:
-            return func(*args, **kwargs)
-        if self._fresh:
-            self._settle()
-        if self._plan is not None:
-            return self._follow_op(func, args, kwargs)
-        return self._record(func, args, kwargs)
+        prior = _set_eval_frame(None)  # see _Mode
+        try:
+            if kwargs is None:
+                kwargs = {}
+            if self._bypass:
+                return func(*args, **kwargs)
+            if self._fresh:
+                self._settle()
+            if self._plan is not None:
+                return self._follow_op(func, args, kwargs)
+            return self._record(func, args, kwargs)
+        finally:
+            _set_eval_frame(prior)
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = op_info(func)
@@ -720,6 +768,33 @@ class Recorder(TorchDispatchMode):
         if step is not None and step.func in _DTENSOR_STEPS:
             step = self._follow_dtensor_steps(args, kwargs)
             i = self._i
+        if step is not None and step.fast and func is step.func and not kwargs and len(args) == step.nargs:
+            # The common op, checked inline: each tensor argument is the tape's value (identity,
+            # version; plain tensors), the constants are the tape's. Anything else, including a
+            # tensor this forward has not seen yet, goes the general way below.
+            fids = self._fids
+            for pos, _sub, vid in step.tensors:
+                a = args[pos]
+                ent = fids.get(id(a))
+                if ent is None or ent[1] != vid or ent[0]() is not a or a._version != ent[2] or type(a) not in _PLAIN:
+                    break
+            else:
+                consts = tuple([args[p] for p in step.const_pos]) if step.const_pos else ()
+                if tuple(map(type, consts)) == step.const_types and consts == step.consts:
+                    out = step.call(*args)
+                    if type(out) is Tensor:
+                        vid = step.outs[0]
+                        view_of = step.view_of
+                        # A view's own counter still reads 0 here; autograd then shares its base's.
+                        version = out._version if view_of is None else _version_of(args, view_of, out)
+                        fids[id(out)] = (weakref.ref(out), vid, version)
+                        if step.holds:
+                            self._follow_hold(vid, out)
+                            self._held_versions[vid] = version
+                        self._n = step.next_vid
+                        self._i = i + 1
+                        return out
+                    return self._follow_out(step, i, func, args, kwargs, (), _NOTHING_WRITTEN, out)
         if step is None or func is not step.func:
             if not op_info(func).returns_tensor and not op_info(func).write_args:
                 return func(*args, **kwargs)  # never on a tape (``.item()``): nothing to follow
@@ -734,7 +809,12 @@ class Recorder(TorchDispatchMode):
             gen = generator_for(func, args, kwargs, _device_of(args, kwargs))
             self._rng[i] = (gen, gen.get_state())
         out = func(*args, **kwargs)
-        if step.single and isinstance(out, Tensor):  # the common op: one tensor out, no writes
+        return self._follow_out(step, i, func, args, kwargs, written, seen, out)
+
+    def _follow_out(self, step: "_FollowStep", i: int, func: Any, args: tuple, kwargs: dict, written: Any,
+                    seen: dict[int, int], out: Any) -> Any:
+        """Map the outputs of a followed op that has run (and hold what the tape held)."""
+        if step.single and isinstance(out, Tensor):  # one tensor out, no writes
             vid = step.outs[0]
             view_of = step.view_of
             # A view's own counter still reads 0 here; autograd then shares its base's.
@@ -929,8 +1009,9 @@ class Recorder(TorchDispatchMode):
         ent = self._fids.get(id(t))
         if ent is None or ent[0]() is not t:
             if self._follow_derive(t) is None:
-                self._note_off_tape(t)
-                return AsIs(self.link, t)
+                handle = AsIs(self.link, t)
+                self._note_off_tape(t, handle.tensor)
+                return handle
             ent = self._fids[id(t)]
         vid = ent[1]
         if type(t) not in _PLAIN and self._stale_dtensor(t, vid):  # its shard was written
@@ -953,6 +1034,7 @@ class Recorder(TorchDispatchMode):
         """The program departs from the followed tape: turn what was followed into a recording
         of its own (the tape's ops and values so far, with this forward's versions, constants,
         generator states and reads) and record the rest of the forward."""
+        self._flush_off_tape()
         plan = self._plan
         self._plan = None
         ref = plan.tape
@@ -1082,7 +1164,14 @@ class Recorder(TorchDispatchMode):
         finally:
             self._bypass = False
 
-    def _note_off_tape(self, t: Tensor) -> None:
+    def _note_off_tape(self, t: Tensor, alias: Tensor | None = None) -> None:
+        if self._plan is not None and alias is not None:
+            # Following: autograd saves an op's inputs before the op reaches the dispatcher, so a
+            # parameter is saved before its first op binds it. Decide at the end, when the
+            # forward's bindings tell whether it was the block's own (:meth:`_flush_off_tape`),
+            # instead of listing the block's parameters every forward.
+            self._off_tape_later.append((id(t), weakref.ref(t), alias))
+            return
         if id(t) in self._owned:  # the block's own parameter, saved before an op read it
             return
         parts = _dtensor_parts(t)
@@ -1094,6 +1183,18 @@ class Recorder(TorchDispatchMode):
             self._off_tape_storages.add(id(st))
             self.off_tape_bytes += st.nbytes()
 
+    def _flush_off_tape(self) -> None:
+        """Count the saved tensors a followed forward put off (:meth:`_note_off_tape`), but the
+        ones the forward bound to a value that was the block's own parameter or buffer."""
+        later, self._off_tape_later = self._off_tape_later, []
+        fids = self._fids
+        for key, r, alias in later:
+            t = r()
+            ent = fids.get(key)
+            if t is not None and ent is not None and ent[0]() is t and ent[1] in self.owned_vids:
+                continue
+            self._note_off_tape(alias if t is None else t)
+
     # End of forward -------------------------------------------------------------------------
 
     def finalize(self) -> Recording:
@@ -1104,6 +1205,7 @@ class Recorder(TorchDispatchMode):
             self._leave_follow()  # it stopped short, or autograd saved other values
             plan = None
         if plan is not None:
+            self._flush_off_tape()
             self.tape = plan.tape
         values = self.tape.values
         if plan is not None:

@@ -119,9 +119,11 @@ def rebuildable(tape, vid: int) -> bool:
 class _ArgTemplate:
     """A tape op's positional arguments as a list to copy, and where its tensors go."""
 
-    __slots__ = ("base", "refs", "lists")
+    __slots__ = ("base", "refs", "lists", "call")
 
     def __init__(self, op: TapeOp) -> None:
+        self.call = getattr(op.func, "_op", op.func)
+        """The overload's C++ callable (an ``OpOverload`` call is one Python frame around it)."""
         self.base = list(op.args)
         self.refs = tuple((pos, a.vid) for pos, a in enumerate(op.args) if type(a) is Ref)
         self.lists = tuple((pos, tuple(a)) for pos, a in enumerate(op.args)
@@ -366,7 +368,7 @@ class Replayer:
                 kwargs = {k: _resolve(a, local.__getitem__) for k, a in op.kwargs.items()} if op.kwargs else {}
                 for d in op.deps:
                     pending[d] -= 1
-                self._finish_op(op, op.func(*args, **kwargs), None, local, pending, vid)
+                self._finish_op(op, prep.call(*args, **kwargs), None, local, pending, vid)
         return local[vid]
 
     def _run(self, i: int, op: TapeOp, local: dict[int, Tensor], pending: dict[int, int], target: int) -> None:

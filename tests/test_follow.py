@@ -16,7 +16,7 @@ from torch import nn
 
 import tapesac
 
-from .blocks import CASES, assert_identical, grads
+from .blocks import CASES, Case, assert_identical, grads
 
 STEPS = 5
 
@@ -295,3 +295,47 @@ def test_dtensor_steps_are_followed_exactly(one_rank_mesh, variant):
     for (ep, ew), (ap, aw) in zip(expected, actual):
         assert torch.equal(ep, ap) and torch.equal(ew, aw)
     assert followed[2:] == [True] * (STEPS - 2), followed
+
+
+class _SavedBeforeRead(nn.Module):
+    """Autograd saves an op's inputs before the op reaches the dispatcher: here the block's own
+    weight and a tensor that is neither an input nor a parameter (a plain attribute) are saved
+    before any op binds them, and the attribute is off the tape's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = torch.randn(8)  # not a parameter, not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("name", ["llama3", "saved_before_read"])
+def test_followed_forwards_report_what_recorded_ones_do(name):
+    """A followed forward counts the same off-tape bytes (saved tensors on no tape value, not
+    the block's own parameters) and keeps the same bytes as a forward recorded in full."""
+
+    def make():
+        if name == "llama3":
+            return CASES[name]()
+        torch.manual_seed(0)
+        model = nn.Sequential(_SavedBeforeRead(), _SavedBeforeRead())
+        x = torch.randn(4, 8, requires_grad=True)
+        return Case(model, list(model), lambda m: m(x).pow(2).sum(), [x])
+
+    stats = {}
+    for follow in (True, False):
+        model = make()
+        handle = tapesac.wrap(model.blocks)
+        for state in handle.blocks:
+            state.follow = follow
+        for step in range(4):
+            grads(model, seed=step)
+        stats[follow] = handle.stats()
+    for index, s in stats[True].items():
+        assert s["followed"] and not stats[False][index]["followed"]
+        for key in ("off_tape_bytes", "kept_bytes", "input_bytes", "ops_recorded", "values_read"):
+            assert s[key] == stats[False][index][key], (index, key)
+    if name == "saved_before_read":  # the attribute and the block's input count, the weight does not
+        assert all(s["off_tape_bytes"] == 8 * 4 + 4 * 8 * 4 for s in stats[True].values())
