@@ -1174,6 +1174,9 @@ class Recorder(_Mode):
             return
         if id(t) in self._owned:  # the block's own parameter, saved before an op read it
             return
+        self._count_off_tape(t)
+
+    def _count_off_tape(self, t: Tensor) -> None:
         parts = _dtensor_parts(t)
         try:
             st = (t if parts is None else parts[0]).untyped_storage()
@@ -1191,7 +1194,11 @@ class Recorder(_Mode):
         for key, r, alias in later:
             t = r()
             ent = fids.get(key)
-            if t is not None and ent is not None and ent[0]() is t and ent[1] in self.owned_vids:
+            if t is not None and ent is not None and ent[0]() is t:
+                # Bound: the block's own when the value was in the verified forward (the same
+                # program reads the same parameters at the same place); else an input.
+                if ent[1] not in self.owned_vids:
+                    self._count_off_tape(t)
                 continue
             self._note_off_tape(alias if t is None else t)
 
