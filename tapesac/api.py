@@ -51,7 +51,9 @@ class TapeSACHandle:
         ops in the replay closure, values read by backward, bytes kept (produced by the block),
         bytes of held inputs, bytes allocated by replay in the last backward, tape signature, and
         ``off_tape_bytes``: saved tensors no recorded op made, held as they are (0 when TapeSAC saw
-        everything the block's backward reads being made)."""
+        everything the block's backward reads being made); ``followed``: the last forward followed
+        a verified tape instead of recording; ``ops_unobserved``: ops of it that ran in pure module
+        calls with the dispatch mode off (:mod:`tapesac.segments`)."""
         return {s.index: dict(s.stats) for s in self.blocks}
 
     def tapes(self) -> dict[int, Any]:

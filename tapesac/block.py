@@ -19,6 +19,7 @@ from torch import nn
 from .errors import PolicyError, TapeSACError
 from .recorder import FollowPlan, ProgramCheck, Recorder, unpack_saved
 from .replay import ReplayProgram, Replayer, rebuildable
+from .segments import PURE_MODULES
 
 _local = threading.local()
 
@@ -85,6 +86,8 @@ class BlockState:
         self._unit_hooks: list | None = None
         """Forward hooks on the FSDP2 units nested inside the block (recorder invariant 9);
         None until the first recorded forward (FSDP2 may be applied after wrapping)."""
+        self._pure_calls: list[weakref.ref] = []
+        """Modules inside the block whose ``forward`` routes through the recorder (segments.py)."""
         self.compiled = None
         """Compiled mode: the :class:`~tapesac.compiled.CompiledRunner` that runs this block under
         its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
@@ -154,7 +157,21 @@ class BlockState:
 
             self._unit_hooks.append(sub.register_forward_hook(hook))
 
+    def _wrap_pure_calls(self, module: nn.Module) -> None:
+        """Route the calls of pure modules inside the block (:mod:`~tapesac.segments`) through
+        the recorder, which may run them unobserved in forwards that follow."""
+        for sub in module.modules():
+            if sub is module or type(sub) not in PURE_MODULES or "forward" in sub.__dict__:
+                continue
+            sub.forward = _pure_forward(weakref.ref(sub))
+            self._pure_calls.append(weakref.ref(sub))
+
     def uninstall(self) -> None:
+        for ref in self._pure_calls:
+            sub = ref()
+            if sub is not None:
+                sub.__dict__.pop("forward", None)
+        self._pure_calls = []
         for h in self._unit_hooks or ():
             h.remove()
         self._unit_hooks = None
@@ -223,9 +240,11 @@ class BlockState:
 
         key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
-                       follow=self._follow.get(key))
+                       follow=self._follow.get(key), learn_segments=self.follow and self.compiled is None)
         if self._unit_hooks is None:
             self._hook_nested_units(module)
+            if self.compiled is None:
+                self._wrap_pure_calls(module)
         _local.active = self
         self._recorder = rec
         # Recording makes a few small objects per op; automatic collections triggered by them in
@@ -260,6 +279,7 @@ class BlockState:
         s["passthrough"] = False
         s["compiled"] = False
         s["followed"] = rec.followed
+        s["ops_unobserved"] = rec.unobserved_ops
         s["ops_recorded"] = len(tape.ops)
         s["ops_in_closure"] = len(replayer.closure_ops)
         s["values_read"] = len(replayer.program.reads)
@@ -301,9 +321,25 @@ class BlockState:
         if len(self._follow) >= _MAX_FOLLOW_PLANS:
             self._follow.clear()
             self._last_key.clear()
-        plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids)
+        plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids, recording.segments)
         plan.program = program
         return program
+
+
+def _pure_forward(ref: weakref.ref) -> Callable:
+    """The ``forward`` of a pure module inside a wrapped block: the recorder's while it records
+    or follows the block, the class's otherwise (it refers to the module weakly: no cycle)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        module = ref()
+        cls_forward = type(module).forward  # now: a class patched later is the class
+        state = _active_block()
+        rec = None if state is None else state._recorder
+        if rec is None or type(module) not in PURE_MODULES or torch.compiler.is_compiling():
+            return cls_forward(module, *args, **kwargs)
+        return rec.run_module(module, cls_forward.__get__(module), args, kwargs)
+
+    return forward
 
 
 PASSTHROUGH_CHECK_EVERY = 16

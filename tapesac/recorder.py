@@ -60,6 +60,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch import nn
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -67,6 +68,7 @@ from .errors import ReplayError, TapeSACError
 from .replay import modified_error
 from .ops import generator_for, keep_only_reason, op_info, written_tensors
 from .tape import EXTERNAL, PRODUCED, SNAPSHOT, Ref, Tape, TapeOp, _has_ref, flatten_outputs
+from .segments import Segment, call_key, eligible as segment_eligible, module_tensors
 
 Tensor = torch.Tensor
 
@@ -229,6 +231,8 @@ class Recording:
     """op index -> (args, kwargs) where this forward's constants differ from the tape's."""
     plan: "FollowPlan | None" = None
     """The plan this forward followed to its end (its tape is ``tape``), else None."""
+    segments: list = dataclasses.field(default_factory=list)
+    """Pure module calls of a recorded forward (:class:`~tapesac.segments.Segment`)."""
 
 
 
@@ -317,7 +321,7 @@ class FollowPlan:
     buffer updated in place, such as MoE load statistics) is not taken when following.
     """
 
-    def __init__(self, tape: Tape, held: Any, owned_vids: Any = ()) -> None:
+    def __init__(self, tape: Tape, held: Any, owned_vids: Any = (), segments: Any = ()) -> None:
         self.tape = tape
         values = tape.values
         held = set(held)
@@ -341,6 +345,10 @@ class FollowPlan:
         """The replay program of forwards that follow this plan (made by the first one)."""
         self.owned_vids = frozenset(owned_vids)
         """Externals that were the block's own parameters and buffers."""
+        self.segments = {seg.start: seg for seg in segments
+                         if segment_eligible(seg, tape, steps, self.replayable)}
+        """First op index -> a pure module call later forwards run unobserved
+        (:mod:`~tapesac.segments`)."""
 
     @staticmethod
     def eligible(tape: Tape, program: Any) -> bool:
@@ -419,7 +427,8 @@ class Recorder(_Mode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
-                 owned: set[int] | None = None, timer=None, follow: "FollowPlan | None" = None) -> None:
+                 owned: set[int] | None = None, timer=None, follow: "FollowPlan | None" = None,
+                 learn_segments: bool = False) -> None:
         super().__init__()
         self.block = block
         self.timer = timer
@@ -453,6 +462,16 @@ class Recorder(_Mode):
         # Follow mode (see FollowPlan): the tape of a verified earlier forward stands in for this
         # one's, op by op, until the program departs from it.
         self._plan = None if (debug or timer is not None) else follow
+        self._learn = not debug and timer is None and learn_segments
+        """Recording: note pure module calls (:meth:`run_module`) for forwards that follow."""
+        self.segments: list[Segment] = []
+        self._seg_learn: list | None = None
+        """While recording a pure module call: what each pack inside it returned."""
+        self._seg: Segment | None = None
+        self.unobserved_ops = 0
+        """Tape ops this forward ran with the dispatch mode off (pure module calls)."""
+        self._seg_run: list | None = None
+        """While a followed forward runs a pure module call unobserved: (tensor, handle) per pack."""
         self.followed = False
         """The forward ran to its end on ``follow``'s tape: ``tape`` is that (shared) tape."""
         self._i = 0
@@ -483,6 +502,8 @@ class Recorder(_Mode):
 
         def pack(t: Tensor) -> Any:
             rec = ref()
+            if rec._seg_run is not None:
+                return rec._segment_pack(t)
             plan = rec._plan
             if plan is not None and type(t) in _PLAIN:
                 # Following, the common case inline (:meth:`_follow_pack` has the rest): a value
@@ -1149,6 +1170,10 @@ class Recorder(_Mode):
                 if handle is not None:
                     return handle
             vid = self._lookup(t)
+            if self._seg_learn is not None:
+                v = None if vid is None else self.tape.values[vid]
+                self._seg_learn.append((vid, v is not None and v.kind == PRODUCED and not v.free,
+                                        None if vid is not None else (id(t), weakref.ref(t))))
             if vid is None:
                 self._note_off_tape(t)
                 return AsIs(self.link, t)
@@ -1185,6 +1210,132 @@ class Recorder(_Mode):
         if id(st) not in self._off_tape_storages:
             self._off_tape_storages.add(id(st))
             self.off_tape_bytes += st.nbytes()
+
+    # Pure module calls (segments.py) ------------------------------------------------------------
+
+    def run_module(self, module: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a :data:`~tapesac.segments.PURE_MODULES` module inside the block: learn it
+        (recording), run it unobserved (following, where the plan has it), or just run it."""
+        if kwargs or self._seg_run is not None or self._seg_learn is not None or self._bypass:
+            return fn(*args, **kwargs)
+        plan = self._plan
+        if plan is not None:
+            seg = plan.segments.get(self._i)
+            if seg is not None:
+                out = self._run_segment(plan, seg, module, fn, args)
+                if out is not None:
+                    return out
+            return fn(*args)
+        if not self._learn:
+            return fn(*args)
+        params = module_tensors(module)
+        key = call_key(module, args, params)
+        if key is None:
+            return fn(*args)
+        tape = self.tape
+        start, n_start = len(tape.ops), len(tape.values)
+        tensors = [t for t in (*args, *params) if isinstance(t, Tensor)]
+        before = [self._lookup(t) for t in tensors]
+        self._seg_learn = []
+        try:
+            out = fn(*args)
+        finally:
+            packs, self._seg_learn = self._seg_learn, None
+        if self._plan is not None or type(out) is not Tensor:
+            return out
+        # An argument or parameter autograd saved before the op that reads it was dispatched
+        # was on no value then; it is by now.
+        for k, (vid, saved, ident) in enumerate(packs):
+            if vid is None:
+                t = ident[1]()
+                vid = None if t is None or id(t) != ident[0] else self._lookup(t)
+            packs[k] = (vid, saved)
+        sources = []
+        for t, b in zip(tensors, before):
+            vid = self._lookup(t)
+            if vid is None or b is not None and b != vid:
+                return out  # not read, or written inside: not a call to run unobserved
+            sources.append((vid, b is None))
+        out_vid = self._lookup(out)
+        if out_vid is None or out_vid < n_start:
+            return out
+        self.segments.append(Segment(start, len(tape.ops), n_start, len(tape.values), weakref.ref(module),
+                                     type(module).forward, key, tuple(sources), tuple(packs), out_vid))
+        return out
+
+    def _segment_pack(self, t: Tensor) -> Any:
+        """The pack hook inside an unobserved call: the handle the verified call's k-th pack had
+        (checked and committed after the call, :meth:`_run_segment`)."""
+        run = self._seg_run
+        seg = self._seg
+        k = len(run)
+        if k < len(seg.packs) and seg.packs[k][1] and type(t) in _PLAIN:
+            handle: Any = Saved(self.link, seg.packs[k][0], t)
+        else:
+            handle = AsIs(self.link, t)
+        run.append((t, handle))
+        return handle
+
+    def _run_segment(self, plan: FollowPlan, seg: Segment, module: nn.Module, fn: Any, args: tuple) -> Any:
+        """Run a pure module call unobserved where the plan has one (see :mod:`~tapesac.segments`);
+        None (nothing changed) when it may not, or when its results differ from the tape's (the
+        call then runs again, op by op)."""
+        if module is not seg.module() or type(module).forward is not seg.fn or self._n != seg.n_start:
+            return None
+        self._settle()  # the last op's holds, before this call's
+        params = module_tensors(module)
+        if call_key(module, args, params) != seg.key:
+            return None
+        tensors = [t for t in (*args, *params) if isinstance(t, Tensor)]
+        fids = self._fids
+        for t, (vid, new) in zip(tensors, seg.sources):
+            ent = fids.get(id(t))
+            bound = ent is not None and ent[0]() is t
+            if new:
+                if bound:
+                    return None  # seen before, where the verified forward met it first here
+            elif not bound or ent[1] != vid or t._version != ent[2]:
+                return None
+        run: list = []
+        self._seg, self._seg_run = seg, run
+        try:
+            with torch._C._DisableTorchDispatch():
+                out = fn(*args)
+        finally:
+            self._seg_run = None
+        values = plan.tape.values
+        v = values[seg.out]
+        if (len(run) != len(seg.packs) or type(out) is not Tensor or out.shape != v.shape or out.dtype != v.dtype
+                or any(t.shape != values[vid].shape or t.dtype != values[vid].dtype
+                       for (t, _), (vid, _) in zip(run, seg.packs))):
+            return None  # dropped: the call runs again under the mode
+        with torch._C._DisableTorchDispatch():  # the holds' detaches are not the block's ops
+            ref = weakref.ref
+            for t, (vid, new) in zip(tensors, seg.sources):
+                if new:
+                    fids[id(t)] = (ref(t), vid, t._version)
+                    self._follow_hold(vid, t)
+                    self._held_versions[vid] = t._version
+                    if vid in plan.owned_vids:
+                        self.owned_vids.add(vid)
+            reads = self._reads
+            for (t, handle), (vid, saved) in zip(run, seg.packs):
+                if vid in seg.first_met and vid not in plan.owned_vids:
+                    self._count_off_tape(t)  # an input saved before its first op, as when recorded
+                if saved:
+                    reads[vid] = reads.get(vid, 0) + 1
+                    self._saved.append(handle)
+                if vid in seg.hold_at_pack and vid not in self.held:
+                    self._follow_hold(vid, t)
+                    self._held_versions[vid] = t._version
+            fids[id(out)] = (ref(out), seg.out, out._version)
+            if seg.hold_out:
+                self._follow_hold(seg.out, out)
+                self._held_versions[seg.out] = out._version
+        self._i, self._n = seg.end, seg.n_end
+        self.unobserved_ops += seg.end - seg.start
+        self._settle()
+        return out
 
     def _flush_off_tape(self) -> None:
         """Count the saved tensors a followed forward put off (:meth:`_note_off_tape`), but the
@@ -1228,7 +1379,8 @@ class Recorder(_Mode):
         versions = {vid: (t.detach(), values[vid].version if seen is None else seen[vid])
                     for vid, t in self._originals.items()}
         recording = Recording(self.block, self.tape, self.held, versions, self.owned_vids,
-                              self.debug_refs, self.link, self._rng, self._args, plan)
+                              self.debug_refs, self.link, self._rng, self._args, plan,
+                              self.segments if plan is None else [])
         self.held, self.debug_refs, self._originals = {}, None, {}
         self._ids, self._storages, self._held_by_sid, self._last_write = {}, {}, {}, {}
         self._fids, self._plan = {}, None

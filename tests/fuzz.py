@@ -456,6 +456,46 @@ def _pointwise(blk, k, rng):
     return fn
 
 
+def _module(blk, k, rng):
+    """A pure module call (nn.Linear, nn.LayerNorm, nn.RMSNorm), which forwards that follow run
+    with the dispatch mode off (tapesac.segments); variants change, from call to call with shapes
+    unchanged, what its ops depend on: the input's strides, the module's eps, grad mode."""
+    kind = rng.choice(["linear", "layer_norm", "rms_norm"])
+    variant = rng.choice(["plain", "plain", "strides_alternate", "eps_alternate", "no_grad_alternate"])
+    if kind == "linear":
+        mod = nn.Linear(D, D, bias=rng.random() < 0.5, dtype=blk.dtype)
+    elif kind == "layer_norm":
+        mod = nn.LayerNorm(D, dtype=blk.dtype)
+    else:
+        mod = nn.RMSNorm(D, eps=1e-6, dtype=blk.dtype)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=blk.gen, dtype=blk.dtype) * 0.3 + (p.dim() == 1 and kind != "linear"))
+    blk.add_module(k + "mod", mod)
+    residual = rng.random() < 0.5 or variant == "no_grad_alternate"  # else nothing requires grad
+    blk.feature(f"module:{kind}")
+    if variant != "plain":
+        blk.feature(f"module:{variant}")
+    calls = [0]
+
+    def fn(h, env):
+        m = getattr(blk, k + "mod")
+        calls[0] += 1
+        odd = calls[0] % 2 == 1
+        x = h
+        if variant == "strides_alternate" and odd:  # same shape and values, other strides
+            x = h.transpose(0, 1).contiguous().transpose(0, 1)
+        if variant == "eps_alternate" and kind != "linear":
+            m.eps = 1e-6 if odd else 1e-2
+        if variant == "no_grad_alternate" and odd:
+            with torch.no_grad():
+                y = m(x)
+        else:
+            y = m(x)
+        return h + y if residual else y
+    return fn
+
+
 _MESH: list = []
 """The one-rank device mesh of the DTensor steps, while a program that uses it runs."""
 
@@ -533,6 +573,7 @@ BUILDERS: dict[str, tuple[Callable, float]] = {
     "unused_op_output": (_unused_op_output, 0.6),
     "dead_branch": (_dead_branch, 0.8),
     "pointwise": (_pointwise, 0.8),
+    "module": (_module, 1.0),
     "illegal_inplace": (_illegal_inplace, 0.05),
     "dtensor": (_dtensor, 0.4),
 }
@@ -695,6 +736,8 @@ def all_features() -> list[str]:
     names |= {"rng:" + v for v in ["dropout", "dropout_inplace", "rand_like", "randn_like", "bernoulli",
                                    "bernoulli_"]}
     names |= {"norm:layer_norm", "norm:rms_norm", "softmax:softmax", "softmax:log_softmax"}
+    names |= {"module:" + v for v in ["linear", "layer_norm", "rms_norm", "strides_alternate", "eps_alternate",
+                                      "no_grad_alternate"]}
     names |= {"attention:" + v for v in ["sdpa", "sdpa_causal", "sdpa_dropout", "manual"]}
     names |= {"moe:" + v for v in ["index_add_", "scatter_add_", "sort_gather"]}
     names |= {"data_dep:" + v for v in ["nonzero_index_put", "masked_select", "item_scale"]}
