@@ -55,7 +55,7 @@ Invariants (cited as "compiled invariant N" where they are kept):
 Plans for compiled mode are costed by :func:`compiled_costs` (fused ops at ``FUSED_COST`` of
 their eager time, no replay overheads). Memory is checked on a compiled step itself, measured (on
 CUDA the first under a plan, by the allocator's statistics, not yet run on a GPU; on CPU a later
-one, once every block has compiled code for the plan, by the allocator's events,
+one, once every block has compiled code for the plan on every rank, by the allocator's events,
 ``tapesac.meter.AllocatorStepMeter``, which is no dispatch mode: the first compiles unmeasured,
 since compiling under the profiler crashed the process, torch 2.13), re-planned tighter when over
 the limit and re-planned into the slack when well under it (``tapesac.autoplan``). Only when a
