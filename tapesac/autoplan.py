@@ -38,7 +38,8 @@ Phases (:class:`Phase`), the same on every rank:
 Rules that keep ranks in agreement: every decision that leads to a collective is taken from
 data every rank has (step counts, broadcast plans) or agreed at the step's end by one small
 all-reduce (the step key's hash and flags; in compiled mode also which blocks lack compiled code
-for the step's plan on some rank, since a compile can fall back on one rank only); a saved
+for the step's plan on some rank, since a compile can fall back on one rank only, and whether a
+profiler of the user's runs on some rank, which keeps the allocator meter out there); a saved
 policy is read by rank 0 and broadcast.
 A recording whose tape does not match its plan drops what it would keep (replay-only memory)
 and marks the step (pass-through blocks check the ops they ran instead); the plan is then
@@ -270,6 +271,9 @@ class _Agreed:
     """Compiled mode: some rank's compiled policy fell back to full AC (``CompiledRunner.broken``)."""
     uncompiled: frozenset[int]
     """Compiled mode: blocks of the step's plan that lack compiled code for it on some rank."""
+    profiler: bool
+    """Another profiler than TapeSAC's allocator meter runs on some rank (the user's), so that
+    meter cannot measure a step there."""
 
 
 def input_key(args: tuple, kwargs: dict) -> str:
@@ -400,6 +404,10 @@ class AutoPlanner:
         any rank."""
         self._breaks_seen = 0
         """Compiled mode: this rank's policies broken by the end of the last step."""
+        self._allocator_everywhere = True
+        """Compiled mode on CPU: no rank ran another profiler at the last step's end, so every rank
+        can measure a compiled step with the allocator meter (agreed in ``_agree``; a profiler on
+        some ranks only must not make ranks measure differently, or at different steps)."""
         for s in handle.blocks:
             s.controller = self
         # The hook is process-wide: it holds the planner weakly, and goes with it or remove().
@@ -581,8 +589,9 @@ class AutoPlanner:
     def _agree(self, key: str, failed: bool) -> _Agreed:
         """The step's facts every rank decides from, this rank's reduced with the others' by one
         all-reduce (a maximum over int flags; the key's hash both ways, to tell it is the same).
-        Besides the step's own flags, compiled mode's: whether a policy broke on this rank, and
-        per block whether it lacks compiled code for the step's plan here (``_note_compiled``)."""
+        Besides the step's own flags, compiled mode's: whether a policy broke on this rank, per
+        block whether it lacks compiled code for the step's plan here (``_note_compiled``), and
+        whether another profiler keeps the allocator meter out here."""
         step = self._step
         runner = self.handle.blocks[0].compiled if self.handle.blocks else None
         broken = len(runner.broken) if runner is not None else 0
@@ -591,7 +600,11 @@ class AutoPlanner:
         if runner is not None and step.active is not None:
             for b, p in step.active.policy.blocks.items():
                 uncompiled[b] = int(not runner.has_compiled(b, p))
-        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan, step.backwards_twice, broke, *uncompiled]
+        # The allocator meter is a profiler itself: while it runs (this step's own measure, which
+        # ends after this), another cannot start.
+        profiler = self._allocator is None and not AllocatorStepMeter.available()
+        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan, step.backwards_twice, broke, profiler,
+                 *uncompiled]
         if tdist.active(self.group):
             import torch.distributed as dist
 
@@ -603,9 +616,10 @@ class AutoPlanner:
             same, flags = v[0] == -v[1], v[2:]
         else:
             same = True
-        ran, mismatch, failed, off_plan, twice, broke = map(bool, flags[:6])
-        return _Agreed(ran, same, mismatch, failed, off_plan, twice, broke,
-                       frozenset(b for b, f in enumerate(flags[6:]) if f))
+        ran, mismatch, failed, off_plan, twice, broke, profiler = map(bool, flags[:7])
+        return _Agreed(ran=ran, same=same, mismatch=mismatch, failed=failed, off_plan=off_plan, twice=twice,
+                       broke=broke, profiler=profiler,
+                       uncompiled=frozenset(b for b, f in enumerate(flags[7:]) if f))
 
     def _end_step(self) -> bool:
         """Close the step on every rank alike; False when no rank ran a forward (nothing ended)."""
@@ -618,6 +632,7 @@ class AutoPlanner:
                                                    agreed.off_plan, agreed.twice)
         if not agreed.ran:
             return False
+        self._allocator_everywhere = not agreed.profiler
         if self._compiled_mode():
             self._note_compiled(step.active if same else None, agreed)
         allocator_peak = self._allocator.stop() if self._allocator is not None else None
@@ -741,7 +756,7 @@ class AutoPlanner:
                 # The first step under a new plan compiles it, unmeasured: compiling under the
                 # profiler crashed the process (torch 2.13, CPU). A step after it is measured.
                 return
-            self._start_trace("pending", allocator=compiled_cpu and AllocatorStepMeter.available())
+            self._start_trace("pending", allocator=compiled_cpu and self._allocator_everywhere)
 
     def _compiled_already(self, entry: StepPlan) -> bool:
         """Every block of ``entry``'s plan has compiled code for it on every rank (compiled mode):
@@ -765,7 +780,7 @@ class AutoPlanner:
             purpose = "retained"
         elif (active is not None and self.config.verify and not active.verified
               and not (self._trace is not None and self.device.type != "cuda" and self._compiled_mode()
-                       and AllocatorStepMeter.available())):
+                       and self._allocator_everywhere)):
             # (In compiled mode on CPU the storage counter, a dispatch mode, would measure the
             # plan run eagerly, not compiled: a later step under the plan is measured with the
             # allocator instead.)

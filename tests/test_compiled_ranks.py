@@ -38,9 +38,9 @@ def departing(forward, block: int):
     return departing_forward
 
 
-def train(check=None) -> dict:
-    """Train two blocks in compiled mode for ``STEPS`` steps; what the planner decided, per step
-    and at the end. ``check(planner)`` runs at every step boundary."""
+def train(seqs=(16,) * STEPS, limit: int = LIMIT, check=None) -> dict:
+    """Train two blocks in compiled mode, one step per sequence length in ``seqs``; what the
+    planner decided, per step and at the end. ``check(planner)`` runs at every step boundary."""
     import tapesac
     from tapesac.autoplan import PlanConfig
 
@@ -48,14 +48,14 @@ def train(check=None) -> dict:
 
     model = Model(blocks=2)
     handle = tapesac.wrap(model.layers, compile=True, compile_options={"backend": "aot_eager"},
-                          plan_config=PlanConfig(memory_limit_bytes=LIMIT))
+                          plan_config=PlanConfig(memory_limit_bytes=limit))
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         planner = handle.planner
         modes, measuring = [], []
-        for step in range(STEPS):
+        for step, seq in enumerate(seqs):
             opt.zero_grad()
-            model(tokens(step, 0, 16)).backward()
+            model(tokens(step, 0, seq)).backward()
             opt.step()
             modes.append(planner.last_step_mode)
             measuring.append(planner.measuring or planner._allocator is not None)  # the next step's
@@ -77,11 +77,17 @@ def _worker(rank: int, world: int, port: int, scenario: str, queue) -> None:
     result: dict = {}
     try:
         from tapesac.compiled import CompiledRunner, MappingWarning
+        from tapesac.meter import AllocatorStepMeter
 
         if scenario == "fallback_on_rank_1" and rank == 1:
             CompiledRunner.forward = departing(CompiledRunner.forward, block=1)
         warnings.simplefilter("ignore", MappingWarning)
-        result = train()
+        if scenario == "profiler_on_rank_0":
+            if rank == 0:  # as if the user profiled rank 0: the allocator meter cannot run there
+                AllocatorStepMeter.available = staticmethod(lambda: False)
+            result = train(seqs=(16, 24) * 5, limit=10**12)
+        else:
+            result = train()
     except Exception:  # noqa: BLE001 - report, don't hang the other rank's queue.get
         result["crash"] = traceback.format_exc()
     finally:
@@ -110,6 +116,16 @@ def test_a_compile_that_fell_back_on_one_rank_delays_the_measure_on_every_rank()
     assert r[0]["compiled"] == r[1]["compiled"] == [True, True]
 
 
+def test_a_profiler_on_one_rank_changes_how_every_rank_measures():
+    """A profiler the user runs on rank 0 only keeps the allocator meter out there: every rank
+    then measures its compiled steps with the storage counter, at the same steps. Shapes
+    alternate, so a step of one shape meets the other's plan not yet measured."""
+    r = _run("profiler_on_rank_0")
+    assert r[0]["modes"] == r[1]["modes"] and r[0]["measuring"] == r[1]["measuring"]
+    assert r[0]["history"] == r[1]["history"] and len({h["step_key"] for h in r[0]["history"]}) == 2
+    assert {h["meter"] for h in r[0]["history"]} == {"trace"}
+
+
 def test_one_process_measures_when_its_own_compiled_code_says(monkeypatch):
     """Without a process group the agreed answer is this process's own: at every step boundary,
     a plan counts as compiled exactly when every block has compiled code for it here, through
@@ -127,7 +143,8 @@ def test_one_process_measures_when_its_own_compiled_code_says(monkeypatch):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MappingWarning)
-        r = train(check)
-    assert r["broken"] and r["modes"] == ["warm-up", "profiled", "planned", "planned", "verified", "planned", "planned"]
+        r = train(check=check)
+    assert r["broken"]
+    assert r["modes"] == ["warm-up", "profiled", "planned", "planned", "verified", "planned", "planned"]
     assert all(agreed == own for _, agreed, own in answers), answers
     assert [agreed for _, agreed, _ in answers] == [False, False, True, True, True, True], answers
