@@ -37,7 +37,10 @@ Phases (:class:`Phase`), the same on every rank:
 
 Rules that keep ranks in agreement: every decision that leads to a collective is taken from
 data every rank has (step counts, broadcast plans) or agreed at the step's end by one small
-all-reduce (the step key's hash and flags); a saved policy is read by rank 0 and broadcast.
+all-reduce (the step key's hash and flags; in compiled mode also which blocks lack compiled code
+for the step's plan on some rank, since a compile can fall back on one rank only, and whether a
+profiler of the user's runs on some rank, which keeps the allocator meter out there); a saved
+policy is read by rank 0 and broadcast.
 A recording whose tape does not match its plan drops what it would keep (replay-only memory)
 and marks the step (pass-through blocks check the ops they ran instead); the plan is then
 dropped on every rank and the key is profiled again, twice at most.
@@ -59,7 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .compiled import compiled_costs
+from .compiled import CompiledRunner, compiled_costs
 from .meter import AllocatorStepMeter, meter_for
 from .planner import Plan, make_plan
 from .planner.graph import BlockGraph
@@ -248,6 +251,31 @@ class _StepState:
     forwards: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    """What every rank knows about the step that ended, from one all-reduce (``_agree``)."""
+
+    ran: bool
+    """Some rank ran a block forward."""
+    same: bool
+    """Every rank ran the same step key."""
+    mismatch: bool
+    """Some rank's tape did not match its plan."""
+    failed: bool
+    """Some rank's profile failed."""
+    off_plan: bool
+    """Some rank left its plan."""
+    twice: bool
+    """Some rank backwarded a recording twice."""
+    broke: bool
+    """Compiled mode: some rank's compiled policy fell back to full AC (``CompiledRunner.broken``)."""
+    uncompiled: frozenset[int]
+    """Compiled mode: blocks of the step's plan that lack compiled code for it on some rank."""
+    profiler: bool
+    """Another profiler than TapeSAC's allocator meter runs on some rank (the user's), so that
+    meter cannot measure a step there."""
+
+
 def input_key(args: tuple, kwargs: dict) -> str:
     """What a block's forward was called with, without values: shapes, dtypes, grad flags.
 
@@ -369,6 +397,17 @@ class AutoPlanner:
         self._warned_no_boundary = False
         self._profile_wanted = False
         """Compiled mode on CPU: a step without a plan ran unprofiled (see _begin_step)."""
+        self._compiled_everywhere: set[tuple[int, Any]] = set()
+        """Compiled mode: (block, ``CompiledRunner.policy_key``) pairs for which every rank had
+        compiled code at the end of the last step under a plan that ran the block so, agreed in
+        ``_agree`` (see ``_note_compiled``). A plan whose pairs are all here compiles nothing on
+        any rank."""
+        self._breaks_seen = 0
+        """Compiled mode: this rank's policies broken by the end of the last step."""
+        self._allocator_everywhere = True
+        """Compiled mode on CPU: no rank ran another profiler at the last step's end, so every rank
+        can measure a compiled step with the allocator meter (agreed in ``_agree``; a profiler on
+        some ranks only must not make ranks measure differently, or at different steps)."""
         for s in handle.blocks:
             s.controller = self
         # The hook is process-wide: it holds the planner weakly, and goes with it or remove().
@@ -547,22 +586,40 @@ class AutoPlanner:
 
     # The end of a step --------------------------------------------------------------------------
 
-    def _agree(self, key: str, failed: bool) -> tuple[bool, bool, bool, bool, bool, bool]:
-        """(some rank ran a forward, every rank ran this key, some rank's tape mismatched its plan,
-        some rank failed its profile, some rank ran off its plan, some rank backwarded a recording
-        twice): one all-reduce, so every rank decides alike."""
+    def _agree(self, key: str, failed: bool) -> _Agreed:
+        """The step's facts every rank decides from, this rank's reduced with the others' by one
+        all-reduce (a maximum over int flags; the key's hash both ways, to tell it is the same).
+        Besides the step's own flags, compiled mode's: whether a policy broke on this rank, per
+        block whether it lacks compiled code for the step's plan here (``_note_compiled``), and
+        whether another profiler keeps the allocator meter out here."""
         step = self._step
-        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan, step.backwards_twice]
-        if not tdist.active(self.group):
-            return (flags[0], True, *flags[1:])
-        import torch.distributed as dist
+        runner = self.handle.blocks[0].compiled if self.handle.blocks else None
+        broken = len(runner.broken) if runner is not None else 0
+        broke, self._breaks_seen = broken > self._breaks_seen, broken
+        uncompiled = [0] * len(self.handle.blocks)  # one flag per block: every rank has them all
+        if runner is not None and step.active is not None:
+            for b, p in step.active.policy.blocks.items():
+                uncompiled[b] = int(not runner.has_compiled(b, p))
+        # The allocator meter is a profiler itself: while it runs (this step's own measure, which
+        # ends after this), another cannot start.
+        profiler = self._allocator is None and not AllocatorStepMeter.available()
+        flags = [step.forwards > 0, step.mismatch, failed, step.off_plan, step.backwards_twice, broke, profiler,
+                 *uncompiled]
+        if tdist.active(self.group):
+            import torch.distributed as dist
 
-        h = int(key, 16) >> 2
-        dev = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        t = torch.tensor([h, -h, *[int(f) for f in flags]], dtype=torch.int64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        v = t.tolist()
-        return (bool(v[2]), v[0] == -v[1], bool(v[3]), bool(v[4]), bool(v[5]), bool(v[6]))
+            h = int(key, 16) >> 2
+            dev = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            t = torch.tensor([h, -h, *[int(f) for f in flags]], dtype=torch.int64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            v = t.tolist()
+            same, flags = v[0] == -v[1], v[2:]
+        else:
+            same = True
+        ran, mismatch, failed, off_plan, twice, broke, profiler = map(bool, flags[:7])
+        return _Agreed(ran=ran, same=same, mismatch=mismatch, failed=failed, off_plan=off_plan, twice=twice,
+                       broke=broke, profiler=profiler,
+                       uncompiled=frozenset(b for b, f in enumerate(flags[7:]) if f))
 
     def _end_step(self) -> bool:
         """Close the step on every rank alike; False when no rank ran a forward (nothing ended)."""
@@ -570,9 +627,14 @@ class AutoPlanner:
         key = step_key(step.recordings)
         purpose = self._trace_purpose
         profile_error = self._check_profile(step) if purpose == "profile" else None
-        ran, same, mismatch, failed, off_plan, twice = self._agree(key, profile_error is not None)
-        if not ran:
+        agreed = self._agree(key, profile_error is not None)
+        same, mismatch, failed, off_plan, twice = (agreed.same, agreed.mismatch, agreed.failed,
+                                                   agreed.off_plan, agreed.twice)
+        if not agreed.ran:
             return False
+        self._allocator_everywhere = not agreed.profiler
+        if self._compiled_mode():
+            self._note_compiled(step.active if same else None, agreed)
         allocator_peak = self._allocator.stop() if self._allocator is not None else None
         self._allocator = None
         memory = self._finish_trace()
@@ -619,6 +681,28 @@ class AutoPlanner:
               and active is not None and active.key == key and key in self.plans and not active.retained):
             self._add_retained(active, memory)
         return True
+
+    def _note_compiled(self, active: StepPlan | None, agreed: _Agreed) -> None:
+        """Compiled mode: keep ``_compiled_everywhere`` as every rank's compiled code stands at the
+        end of a step run under ``active`` (None: under no plan every rank shares), from agreed
+        flags only, so it is the same set on every rank. Compiled code is made and broken only
+        by block forwards under the step's plan: a pair of its blocks is added when every rank
+        has code for it, and dropped when some rank does not. A policy that broke on some rank
+        (full AC from now on, compiled at its next forward there) leaves every block that runs
+        it in doubt: each pair of one of the plan's policies is dropped, whatever block, and the
+        plan's own blocks are added back where every rank has their code."""
+        if agreed.broke:
+            keys = None if active is None else {CompiledRunner.policy_key(p) for p in active.policy.blocks.values()}
+            self._compiled_everywhere = {(b, k) for b, k in self._compiled_everywhere
+                                         if keys is not None and k not in keys}
+        if active is None:
+            return
+        for b, p in active.policy.blocks.items():
+            pair = (b, CompiledRunner.policy_key(p))
+            if b in agreed.uncompiled:
+                self._compiled_everywhere.discard(pair)
+            else:
+                self._compiled_everywhere.add(pair)
 
     def _first_retained(self, planned: bool) -> None:
         """The run backwarded a recording twice for the first time (phase 4)."""
@@ -672,13 +756,15 @@ class AutoPlanner:
                 # The first step under a new plan compiles it, unmeasured: compiling under the
                 # profiler crashed the process (torch 2.13, CPU). A step after it is measured.
                 return
-            self._start_trace("pending", allocator=compiled_cpu and AllocatorStepMeter.available())
+            self._start_trace("pending", allocator=compiled_cpu and self._allocator_everywhere)
 
     def _compiled_already(self, entry: StepPlan) -> bool:
-        """Every block of ``entry``'s plan has compiled code for it (compiled mode): a step under
-        it compiles nothing. Every rank runs the same programs, so every rank agrees."""
-        runner = self.handle.blocks[0].compiled if self.handle.blocks else None
-        return runner is not None and all(runner.has_compiled(b, p) for b, p in entry.policy.blocks.items())
+        """Every block of ``entry``'s plan has compiled code for it on every rank (compiled mode):
+        a step under it compiles nothing anywhere. Read from ``_compiled_everywhere``, agreed at
+        the last step's end, never from this rank's own code: a compile that fell back on one
+        rank only must not make one rank measure a step (a collective) and another not."""
+        return self._compiled_mode() and all((b, CompiledRunner.policy_key(p)) in self._compiled_everywhere
+                                             for b, p in entry.policy.blocks.items())
 
     def _resolve_trace(self, active: StepPlan | None, start: tuple[int, str]) -> None:
         """At a traced step's first block forward: profile it if no plan starts this way, or if it
@@ -694,7 +780,7 @@ class AutoPlanner:
             purpose = "retained"
         elif (active is not None and self.config.verify and not active.verified
               and not (self._trace is not None and self.device.type != "cuda" and self._compiled_mode()
-                       and AllocatorStepMeter.available())):
+                       and self._allocator_everywhere)):
             # (In compiled mode on CPU the storage counter, a dispatch mode, would measure the
             # plan run eagerly, not compiled: a later step under the plan is measured with the
             # allocator instead.)

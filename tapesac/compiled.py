@@ -55,7 +55,7 @@ Invariants (cited as "compiled invariant N" where they are kept):
 Plans for compiled mode are costed by :func:`compiled_costs` (fused ops at ``FUSED_COST`` of
 their eager time, no replay overheads). Memory is checked on a compiled step itself, measured (on
 CUDA the first under a plan, by the allocator's statistics, not yet run on a GPU; on CPU a later
-one, once every block has compiled code for the plan, by the allocator's events,
+one, once every block has compiled code for the plan on every rank, by the allocator's events,
 ``tapesac.meter.AllocatorStepMeter``, which is no dispatch mode: the first compiles unmeasured,
 since compiling under the profiler crashed the process, torch 2.13), re-planned tighter when over
 the limit and re-planned into the slack when well under it (``tapesac.autoplan``). Only when a
@@ -416,9 +416,9 @@ class CompiledRunner:
         entry = state._policy_entry
         if entry is None or state.timer is not None:
             return None
+        key = self.policy_key(entry)
         if entry.passthrough:
-            return ("passthrough", entry.signature)
-        key = (entry.signature, frozenset(entry.keep))
+            return key
         if key in self.broken:
             return "recompute-all"
         if key in self._policies:
@@ -429,15 +429,22 @@ class CompiledRunner:
         self._policies[key] = TapePolicy(state.index, tape, entry.keep)
         return key
 
-    def has_compiled(self, index: int, block_policy: Any) -> bool:
-        """Block ``index`` has compiled code for ``block_policy`` (a ``BlockPolicy``): a step under
-        it runs compiled, with nothing left to compile."""
+    @staticmethod
+    def policy_key(block_policy: Any) -> Any:
+        """The key of the compiled code a block runs under ``block_policy`` (a ``BlockPolicy``)
+        until that policy breaks: the same on every rank, and shared by blocks that run the
+        same policy (compiled invariant 3)."""
         if block_policy.passthrough:
-            key: Any = ("passthrough", block_policy.signature)
-        else:
-            key = (block_policy.signature, frozenset(block_policy.keep))
-            if key in self.broken:
-                key = "recompute-all"
+            return ("passthrough", block_policy.signature)
+        return (block_policy.signature, frozenset(block_policy.keep))
+
+    def has_compiled(self, index: int, block_policy: Any) -> bool:
+        """Block ``index`` has compiled code for ``block_policy`` (a ``BlockPolicy``), or for the
+        full AC it fell back to on this rank: a step under it runs compiled, with nothing left to
+        compile. What this rank has; ranks may differ (a fall back is per rank)."""
+        key = self.policy_key(block_policy)
+        if not block_policy.passthrough and key in self.broken:
+            key = "recompute-all"
         return (index, key) in self._compiled
 
     def clear(self) -> None:
