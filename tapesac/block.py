@@ -8,6 +8,7 @@ running any module hook again.
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import weakref
@@ -127,14 +128,7 @@ class BlockState:
         return m
 
     def install(self) -> None:
-        state = self
-
-        @torch.compiler.disable
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return state.forward(*args, **kwargs)
-
-        forward.__tapesac_state__ = self  # type: ignore[attr-defined]
-        self.module.forward = forward
+        self.module.forward = _BlockForward(self)
 
     def _hook_nested_units(self, module: nn.Module) -> None:
         """Hold the outputs of every FSDP2 unit nested inside the block (recorder invariant 9)."""
@@ -163,7 +157,7 @@ class BlockState:
         for sub in module.modules():
             if sub is module or type(sub) not in PURE_MODULES or "forward" in sub.__dict__:
                 continue
-            sub.forward = _pure_forward(weakref.ref(sub))
+            sub.forward = _PureForward(sub)
             self._pure_calls.append(weakref.ref(sub))
 
     def uninstall(self) -> None:
@@ -326,12 +320,41 @@ class BlockState:
         return program
 
 
-def _pure_forward(ref: weakref.ref) -> Callable:
-    """The ``forward`` of a pure module inside a wrapped block: the recorder's while it records
-    or follows the block, the class's otherwise (it refers to the module weakly: no cycle)."""
+@torch.compiler.disable
+def _run_block(state: BlockState, args: tuple, kwargs: dict) -> Any:
+    return state.forward(*args, **kwargs)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        module = ref()
+
+class _BlockForward:
+    """A wrapped block's ``forward``. A deep copy of the block is not wrapped: it gets its own
+    forward (never one that runs the original module, whose parameters are not the copy's)."""
+
+    __slots__ = ("__tapesac_state__",)
+
+    def __init__(self, state: BlockState) -> None:
+        self.__tapesac_state__ = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _run_block(self.__tapesac_state__, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        state = self.__tapesac_state__
+        if state._had_forward_attr:
+            return copy.deepcopy(state._saved_forward_attr, memo)
+        return _copied_forward(state._module(), memo)
+
+
+class _PureForward:
+    """The ``forward`` of a pure module inside a wrapped block: the recorder's while it records
+    or follows the block, the class's otherwise. Refers to the module weakly (no cycle)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ref = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.ref()
         cls_forward = type(module).forward  # now: a class patched later is the class
         state = _active_block()
         rec = None if state is None else state._recorder
@@ -339,7 +362,33 @@ def _pure_forward(ref: weakref.ref) -> Callable:
             return cls_forward(module, *args, **kwargs)
         return rec.run_module(module, cls_forward.__get__(module), args, kwargs)
 
-    return forward
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _copied_forward(self.ref(), memo)
+
+
+class _ClassForward:
+    """What a deep copy of a module TapeSAC wrapped has as ``forward``: its own class's."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ref = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.ref()
+        return type(module).forward(module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _copied_forward(self.ref(), memo)
+
+
+def _copied_forward(original: nn.Module | None, memo: dict) -> _ClassForward:
+    copied = None if original is None else memo.get(id(original))
+    if copied is None:
+        raise TapeSACError(
+            "a module's forward that TapeSAC replaced was deep-copied without the module; remove "
+            "TapeSAC first (handle.remove()) and wrap again afterwards")
+    return _ClassForward(copied)
 
 
 PASSTHROUGH_CHECK_EVERY = 16

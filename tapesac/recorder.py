@@ -312,6 +312,10 @@ class FollowPlan:
     that depend on the data, such as MoE split sizes, or a scale read with ``.item()``): replay
     uses this forward's, and an op whose outputs then differ in number or kind departs.
 
+    Calls of pure modules (``nn.Linear``, ``nn.RMSNorm``, ``nn.LayerNorm``) that the verified
+    forward made are run with the dispatch mode off where their guard holds (:mod:`tapesac.segments`,
+    :meth:`Recorder.run_module`): their ops are taken as followed, checked by what they saved.
+
     Not eligible (recorded every time): tapes where replay needs a snapshot (a held value that was
     written in place), with storage aliases (a tensor written through another alias) or with
     tensor lists passed by keyword; debug mode; profiling. The recorder's DTensor steps

@@ -195,3 +195,26 @@ def test_calls_under_another_dispatch_mode_are_observed():
     assert not any(_unobserved(handle)) and Count.n > 0
     grads(case, seed=4)
     assert all(_unobserved(handle))
+
+
+def test_a_deep_copy_of_a_wrapped_model_computes_with_its_own_parameters():
+    """TapeSAC replaces the ``forward`` of blocks and of the pure modules in them; a deep copy
+    (an EMA or teacher model made after wrapping) must run the copy, not the original, and is
+    not wrapped (it can be)."""
+    case = CASES["llama3"]()
+    handle = tapesac.wrap(case.blocks)
+    for step in range(3):
+        grads(case, seed=step)
+    copied = copy.deepcopy(case.model)
+    reference = CASES["llama3"]().model  # the same weights, never wrapped
+    with torch.no_grad():
+        for p, q in zip(copied.parameters(), reference.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(copied(tokens), reference(tokens))
+    assert not torch.equal(case.model(tokens), reference(tokens))
+    copy_handle = tapesac.wrap(list(copied.layers.values()))
+    copied(tokens).float().pow(2).mean().backward()
+    assert all(s["ops_recorded"] > 0 for s in copy_handle.stats().values())
+    assert all(s["ops_recorded"] > 0 for s in handle.stats().values())
