@@ -1286,7 +1286,8 @@ class Recorder(_Mode):
         call then runs again, op by op)."""
         if module is not seg.module() or type(module).forward is not seg.fn or self._n != seg.n_start:
             return None
-        self._settle()  # the last op's holds, before this call's
+        if self._fresh:
+            self._settle()  # the last op's holds, before this call's
         params = module_tensors(module)
         if call_key(module, args, params) != seg.key:
             return None
@@ -1302,24 +1303,28 @@ class Recorder(_Mode):
                 return None
         run: list = []
         self._seg, self._seg_run = seg, run
-        try:
-            with torch._C._DisableTorchDispatch():
+        # The mode is off for the call and for the holds' detaches (not the block's ops).
+        with torch._C._DisableTorchDispatch():
+            try:
                 out = fn(*args)
-        finally:
-            self._seg_run = None
-        values = plan.tape.values
-        v = values[seg.out]
-        if (len(run) != len(seg.packs) or type(out) is not Tensor or out.shape != v.shape or out.dtype != v.dtype
-                or any(t.shape != values[vid].shape or t.dtype != values[vid].dtype
-                       for (t, _), (vid, _) in zip(run, seg.packs))):
-            return None  # dropped: the call runs again under the mode
-        with torch._C._DisableTorchDispatch():  # the holds' detaches are not the block's ops
+            finally:
+                self._seg_run = None
+            values = plan.tape.values
+            v = values[seg.out]
+            if len(run) != len(seg.packs) or type(out) is not Tensor or out.shape != v.shape or out.dtype != v.dtype:
+                return None  # dropped: the call runs again under the mode
+            for (t, _), (vid, _) in zip(run, seg.packs):
+                v = values[vid]
+                if t.shape != v.shape or t.dtype != v.dtype:
+                    return None
             ref = weakref.ref
+            held_versions = self._held_versions
             for t, (vid, new) in zip(tensors, seg.sources):
                 if new:
-                    fids[id(t)] = (ref(t), vid, t._version)
+                    version = t._version
+                    fids[id(t)] = (ref(t), vid, version)
                     self._follow_hold(vid, t)
-                    self._held_versions[vid] = t._version
+                    held_versions[vid] = version
                     if vid in plan.owned_vids:
                         self.owned_vids.add(vid)
             reads = self._reads
@@ -1331,11 +1336,12 @@ class Recorder(_Mode):
                     self._saved.append(handle)
                 if vid in seg.hold_at_pack and vid not in self.held:
                     self._follow_hold(vid, t)
-                    self._held_versions[vid] = t._version
-            fids[id(out)] = (ref(out), seg.out, out._version)
+                    held_versions[vid] = t._version
+            version = out._version
+            fids[id(out)] = (ref(out), seg.out, version)
             if seg.hold_out:
                 self._follow_hold(seg.out, out)
-                self._held_versions[seg.out] = out._version
+                held_versions[seg.out] = version
         self._i, self._n = seg.end, seg.n_end
         self.unobserved_ops += seg.end - seg.start
         self._settle()

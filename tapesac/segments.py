@@ -76,8 +76,17 @@ class Segment:
     hold_out: bool = False
 
 
+_MISSING = object()
+
+
 def module_tensors(module: nn.Module) -> tuple[Any, ...]:
-    return tuple(getattr(module, name, None) for name in PURE_MODULES[type(module)][0])
+    """The module's tensor attributes (parameters first looked up where nn.Module keeps them)."""
+    registered = module._parameters
+    out = []
+    for name in PURE_MODULES[type(module)][0]:
+        t = registered.get(name, _MISSING)
+        out.append(getattr(module, name, None) if t is _MISSING else t)
+    return tuple(out)
 
 
 def _meta(a: Any) -> Any:
