@@ -806,20 +806,7 @@ class Recorder(_Mode):
             else:
                 consts = tuple([args[p] for p in step.const_pos]) if step.const_pos else ()
                 if tuple(map(type, consts)) == step.const_types and consts == step.consts:
-                    out = step.call(*args)
-                    if type(out) is Tensor:
-                        vid = step.outs[0]
-                        view_of = step.view_of
-                        # A view's own counter still reads 0 here; autograd then shares its base's.
-                        version = out._version if view_of is None else _version_of(args, view_of, out)
-                        fids[id(out)] = (weakref.ref(out), vid, version)
-                        if step.holds:
-                            self._follow_hold(vid, out)
-                            self._held_versions[vid] = version
-                        self._n = step.next_vid
-                        self._i = i + 1
-                        return out
-                    return self._follow_out(step, i, func, args, kwargs, (), _NOTHING_WRITTEN, out)
+                    return self._follow_out(step, i, func, args, kwargs, (), _NOTHING_WRITTEN, step.call(*args))
         if step is None or func is not step.func:
             if not op_info(func).returns_tensor and not op_info(func).write_args:
                 return func(*args, **kwargs)  # never on a tape (``.item()``): nothing to follow

@@ -18,17 +18,9 @@ import tapesac
 from tapesac import recorder
 
 from .blocks import CASES, assert_identical, grads
-from .test_follow import _keep_every_other
+from .test_follow import _keep_every_other, _one_thread  # noqa: F401 (an autouse fixture)
 
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _unobserved(handle) -> list[int]:
