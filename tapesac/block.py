@@ -63,6 +63,9 @@ class BlockState:
         twice in a row (or matching the policy's signature) is followed from then on."""
         self.follow = True
         """Let forwards follow a verified tape (False: record every forward, e.g. to measure)."""
+        self.pure_calls = True
+        """Let followed forwards run pure module calls unobserved (tapesac.segments); False runs
+        every op under the dispatch mode (to measure what it saves)."""
         self._passthrough_forwards = 0
         """Pass-through forwards so far (every PASSTHROUGH_CHECK_EVERY-th checks its program)."""
         self.recording_id = -1
@@ -234,7 +237,8 @@ class BlockState:
 
         key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
-                       follow=self._follow.get(key), learn_segments=self.follow and self.compiled is None)
+                       follow=self._follow.get(key),
+                       learn_segments=self.follow and self.pure_calls and self.compiled is None)
         if self._unit_hooks is None:
             self._hook_nested_units(module)
             if self.compiled is None:

@@ -210,3 +210,15 @@ def test_a_deep_copy_of_a_wrapped_model_computes_with_its_own_parameters():
     copied(tokens).float().pow(2).mean().backward()
     assert all(s["ops_recorded"] > 0 for s in copy_handle.stats().values())
     assert all(s["ops_recorded"] > 0 for s in handle.stats().values())
+
+
+def test_pure_calls_can_be_turned_off_per_block():
+    """``BlockState.pure_calls = False`` (what tools/bench_pure_calls.py compares against)."""
+    plain, wrapped = CASES["llama3"](), CASES["llama3"]()
+    handle = tapesac.wrap(wrapped.blocks)
+    handle.blocks[0].pure_calls = False
+    for step in range(4):
+        assert_identical(grads(plain, seed=step)[0], grads(wrapped, seed=step)[0])
+    stats = handle.stats()
+    assert stats[0]["followed"] and stats[0]["ops_unobserved"] == 0
+    assert all(s["ops_unobserved"] > 0 for i, s in stats.items() if i > 0)
