@@ -83,6 +83,43 @@ def test_under_torch_compile_blocks_run_eagerly_with_exact_gradients():
     assert all(s["ops_replayed"] > 0 for s in handle.stats().values())
 
 
+_sin_plus_one = torch.compile(lambda t: t.sin() + 1, backend="eager")
+
+
+class CallsCompiledBlock(nn.Module):
+    """A block that calls compiled code itself (as one using compiled flex attention does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _sin_plus_one(self.lin(x)) * x
+
+
+def test_compiled_code_called_while_recording_never_traces_into_tapesac():
+    """Dynamo must not trace TapeSAC's dispatch mode (it would graph-break on TapeSAC's own
+    code, or compile it); recording and following forwards stay exact."""
+    torch.manual_seed(0)
+    ref, block = CallsCompiledBlock(), CallsCompiledBlock()
+    block.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = []
+    for _ in range(3):
+        ref.zero_grad()
+        ref(x).sum().backward()
+        expected.append([p.grad.clone() for p in ref.parameters()])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    handle = tapesac.wrap([block])
+    for step in range(3):  # records, records again (verified), then follows
+        block.zero_grad()
+        block(x).sum().backward()
+        assert all(torch.equal(e, p.grad) for e, p in zip(expected[step], block.parameters()))
+    assert handle.stats()[0]["followed"]
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
 class NumpyBlock(nn.Module):
     """An op the dispatcher never sees: its result cannot be replayed, so it is held as is."""
 
