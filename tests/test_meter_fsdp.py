@@ -26,6 +26,8 @@ TOLERANCE_BYTES = 16 * 1024
 """How far the counter's peak may sit from the allocator's. Measured on torch 2.13 CPU: equal to
 the byte; the allowance is for kernel scratch another build may allocate. A block's unsharded
 parameters are 257 KiB, so one missed unshard fails."""
+COUNTED_STEPS = 3
+"""Steps measured by the counter; the lowest peak is compared (every rank runs all of them)."""
 MAX_PROFILED_STEPS = 30
 """Profiled steps tried until one has balanced allocator events (about half do)."""
 
@@ -75,6 +77,15 @@ def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue
         for h in hooks:
             h.remove()
         model.zero_grad(set_to_none=True)
+        # Frees that a loaded machine delays (seen: 16 KiB late in a full parallel test run, never
+        # alone) can only raise a counted peak: take the lowest of a few counted steps.
+        counted_peaks = [counter.peak_bytes]
+        for _ in range(COUNTED_STEPS - 1):
+            again = StorageCounter()
+            with again:
+                step()
+            model.zero_grad(set_to_none=True)
+            counted_peaks.append(again.peak_bytes)
 
         # The profiler records only frees on threads it profiles; a gloo worker thread sometimes
         # drops the last reference to a collective's buffer, and that free goes unseen (its peak
@@ -98,7 +109,7 @@ def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue
             doubled = [p.grad * 2 for p in model.parameters()]
         shard_bytes = sum(g.to_local().untyped_storage().nbytes() for g in doubled)
         queue.put((rank, {"on_dtensors": (on_dtensors.live_bytes, shard_bytes),
-                          "ours": counter.peak_bytes, "profiler": balanced, "attempts": attempt + 1,
+                          "ours": min(counted_peaks), "profiler": balanced, "attempts": attempt + 1,
                           "in_forward": in_forward, "left_alive": left_alive}))
     finally:
         dist.destroy_process_group()
