@@ -378,8 +378,14 @@ class AllocatorPeak:
 
         self._prof.__exit__(*exc)
         self._refs = []
+        # The profiler's Python objects hold each other in cycles: left to them, its results would
+        # be destroyed by some later garbage collection, possibly inside a later profiled step.
+        # Take them out and let them go here, once read.
+        prof, self._prof = self._prof, None
+        results, prof.profiler.kineto_results = prof.profiler.kineto_results, None
+        del prof
         changes: list[tuple[int, int, int, bool]] = []  # (time, ptr, bytes, from a mark)
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        stack = list(results.experimental_event_tree())
         while stack:
             node = stack.pop()
             stack.extend(node.children)
