@@ -365,25 +365,16 @@ class AllocatorPeak:
         self._refs: list[weakref.ref] = []
 
     def __enter__(self) -> "AllocatorPeak":
-        from torch.profiler import ProfilerActivity, profile
-
         self._refs = [weakref.ref(st, _mark_free(st.data_ptr(), st.nbytes())) for st in self._watch.values()]
         self._watch = {}  # only weakly held from here on: their frees are what is watched
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        _start_session()
         return self
 
     def __exit__(self, *exc) -> None:
         from torch._C._profiler import _EventType
 
-        self._prof.__exit__(*exc)
+        results = _stop_session()
         self._refs = []
-        # The profiler's Python objects hold each other in cycles: left to them, its results would
-        # be destroyed by some later garbage collection, possibly inside a later profiled step.
-        # Take them out and let them go here, once read.
-        prof, self._prof = self._prof, None
-        results, prof.profiler.kineto_results = prof.profiler.kineto_results, None
-        del prof
         changes: list[tuple[int, int, int, bool]] = []  # (time, ptr, bytes, from a mark)
         stack = list(results.experimental_event_tree())
         while stack:
@@ -417,6 +408,35 @@ class AllocatorPeak:
 
 
 _FREE_MARK = "tapesac.freed:"
+
+
+def _start_session() -> None:
+    """Start a CPU profiling session that records allocator events and function-scope record
+    functions only (ATen ops, the free marks of :func:`_mark_free`), which open and close inside
+    it. A record function of Python code (user scope) can open in one session and close in the
+    next: step boundaries run inside ``optimizer.step``'s, where one session stops and the next
+    starts. Had the first recorded its start, the profiler would write its end into that
+    session's freed events (torch 2.13: valgrind shows the write in ``onFunctionExit``; it
+    corrupted the heap and aborted test processes). Not through ``torch.profiler.profile``, whose
+    objects keep the results in reference cycles until some later garbage collection."""
+    from torch._C._autograd import _enable_profiler, _prepare_profiler
+    from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
+                                    _ExperimentalConfig)
+
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    _prepare_profiler(config, {ProfilerActivity.CPU})
+    _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.FUNCTION})
+    torch.autograd.profiler._run_on_profiler_start()  # what torch.profiler does: others see it run
+
+
+def _stop_session():
+    """Stop the session :func:`_start_session` started; its results (``_ProfilerResult``)."""
+    from torch._C._autograd import _disable_profiler
+
+    try:
+        return _disable_profiler()
+    finally:
+        torch.autograd.profiler._run_on_profiler_stop()
 
 
 def _mark_free(ptr: int, nbytes: int):

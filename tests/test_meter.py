@@ -176,3 +176,32 @@ def test_allocator_step_meter_reads_what_the_counter_reads_on_eager_code():
         # 32 KiB of kernel temporaries measured above the counter, with or without old gradients;
         # counting the freed gradients would add their 129 KiB.
         assert counter_peak <= allocator_peak <= counter_peak + 64 * 1024, (existing_grads, peaks)
+
+
+def _event_names(results) -> set[str]:
+    names, stack = set(), list(results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        names.add(node.name)
+    return names
+
+
+def test_a_record_function_open_across_two_allocator_windows_is_recorded_by_neither():
+    """Step boundaries run inside ``optimizer.step``'s record_function: one allocator window
+    stops there and the next may start before it closes. A window that had recorded its start
+    would take its end into freed memory when it closes (heap corruption, torch 2.13), so
+    windows record no Python-scope record function; what they measure by (allocations, the free
+    marks of watched storages, ops) is still recorded."""
+    from tapesac.meter import _mark_free, _start_session, _stop_session
+
+    _start_session()
+    handle = torch.ops.profiler._record_function_enter_new("straddles two windows", None)
+    kept = torch.ones(1024)
+    _mark_free(kept.data_ptr(), kept.untyped_storage().nbytes())(None)
+    first = _event_names(_stop_session())
+    _start_session()
+    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+    second = _event_names(_stop_session())
+    assert "straddles two windows" not in first | second
+    assert {"[memory]", "aten::ones", f"tapesac.freed:{kept.data_ptr()},4096"} <= first, first
