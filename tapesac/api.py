@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable
 
 from torch import nn
 
-from .block import BlockState
+from . import kernels
+from .block import BlockState, current_recorder
 from .errors import TapeSACError, WrapError
 
 try:  # torch.distributed may be built without these; only used to recognise AC wrappers
@@ -26,6 +28,10 @@ class TapeSACHandle:
     def __init__(self, states: list[BlockState]) -> None:
         self.blocks = states
         self._removed = False
+        kernels.install(current_recorder)  # Triton launches inside the blocks become tape steps
+        self._uninstall = weakref.finalize(states[0], kernels.uninstall) if states else (lambda: None)
+        """Undoes the install once: at :meth:`remove`, or when the wrapped blocks are collected
+        (a handle the caller drops leaves its blocks wrapped: launches in them stay recorded)."""
         self.planner = None
         """The :class:`~tapesac.autoplan.AutoPlanner` in planned mode, else None."""
 
@@ -86,12 +92,13 @@ class TapeSACHandle:
             if s.compiled is not None:  # its compiled functions hold the modules' forwards
                 s.compiled.clear()
                 s.compiled = None
+        self._uninstall()
         self._removed = True
 
 
 def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes: int | None = None,
          plan_config: Any = None, debug: bool = False, compile: bool = False,
-         compile_options: dict[str, Any] | None = None) -> TapeSACHandle:
+         compile_options: dict[str, Any] | None = None, verify_every: int = 0) -> TapeSACHandle:
     """Wrap ``blocks`` in place so their activations are recomputed by targeted replay.
 
     By default nothing a block produces is kept: backward holds only the block's inputs and
@@ -110,6 +117,12 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
     that departs from it warns and falls back to full activation checkpointing).
     ``compile_options`` are ``torch.compile``'s keyword arguments (``backend``, ``mode``, ...).
     Gradients are then compiled numerics, not bit-identical to eager.
+
+    Verification forwards (each block's first forward of every new input shape or policy, and
+    profiled and measured steps; with ``verify_every = n`` also every n-th forward) fingerprint
+    what autograd saves and check what replay rebuilds against it: a kernel that wrote a tensor
+    where the dispatcher could not see is a :class:`~tapesac.errors.ReplayError` there, and that
+    value is kept from then on.
     """
     blocks = list(blocks)
     if not blocks:
@@ -148,9 +161,13 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
                 )
     if compile_options is not None and not compile:
         raise WrapError("compile_options given without compile=True")
+    if not isinstance(verify_every, int) or verify_every < 0:
+        raise WrapError(f"verify_every must be an int >= 0 (0: verification forwards only), got {verify_every!r}")
     if compile and debug:
         raise WrapError("debug=True checks eager replay; it cannot check compiled forwards: pick one")
     states = [BlockState(i, b, debug=debug) for i, b in enumerate(blocks)]
+    for s in states:
+        s.verify_every = verify_every
     if compile:
         from .compiled import CompiledRunner
 

@@ -941,9 +941,11 @@ class AutoPlanner:
             blocks = group["blocks"]
             kind = type(self.handle.blocks[blocks[0]].module).__name__
             plain = all(plan.policy.blocks[b].passthrough for b in blocks)
-            log.info("TapeSAC plan: %s blocks %s: %s kept per block, %.1f ms recompute; %s%s", kind,
+            unseen = graphs[blocks[0]].unseen_bytes if graphs and blocks[0] in graphs else 0
+            log.info("TapeSAC plan: %s blocks %s: %s kept per block, %.1f ms recompute; %s%s%s", kind,
                      block_ranges(blocks), fmt_bytes(group["kept_bytes"]), group["recompute_time"] * 1e3,
                      group.get("summary", f"keeps {len(group['kept'])} values"),
+                     f"; kept: written outside the dispatcher {fmt_bytes(unseen)}" if unseen else "",
                      " (runs as plain autograd)" if plain else "")
 
     def _verify(self, entry: StepPlan, measured: float, meter: str = "trace") -> None:

@@ -29,6 +29,13 @@ def _active_block() -> "BlockState | None":
     return getattr(_local, "active", None)
 
 
+def current_recorder() -> "Recorder | None":
+    """The recorder of the wrapped block forward running on this thread, if any (Triton
+    launches are routed to it, :mod:`tapesac.kernels`)."""
+    state = getattr(_local, "active", None)
+    return None if state is None else state._recorder
+
+
 class BlockState:
     """Everything TapeSAC knows about one wrapped block. Holds the module weakly (no cycle)."""
 
@@ -79,7 +86,7 @@ class BlockState:
         self.stats: dict[str, Any] = {
             "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
             "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
-            "compiled": False, "off_tape_bytes": 0,
+            "compiled": False, "off_tape_bytes": 0, "unseen_bytes": 0, "kernel_launches": 0, "verified": False,
         }
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
@@ -95,6 +102,17 @@ class BlockState:
         self.compiled = None
         """Compiled mode: the :class:`~tapesac.compiled.CompiledRunner` that runs this block under
         its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
+        self.verify_every = 0
+        """Also verify every this-many-th forward (0: only the forwards listed in
+        :meth:`_verifies`); replay invariant 13."""
+        self._forwards = 0
+        """Forwards with grad so far (the sampling clock of ``verify_every``)."""
+        self._verified: dict[tuple, int] = {}
+        """Follow-plan keys -> ``Tape.fast_key`` of the program a verification forward recorded
+        there; a recorded forward of another program makes the next one verify again."""
+        self.keep_only_ops: set[int] = set()
+        """Op indices whose replay once gave other bytes than the forward's (replay invariant 13):
+        kept, never rebuilt, from then on."""
 
     def _mismatch(self, what: str) -> None:
         """This forward's program is not the one the policy was made for: planned mode drops the
@@ -217,12 +235,18 @@ class BlockState:
         # program records instead, to learn it.
         if self.passthrough and self.timer is None and self.program_hash is not None:
             self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
-                              input_bytes=0, recomputed_bytes=0, passthrough=True)
+                              input_bytes=0, recomputed_bytes=0, passthrough=True, unseen_bytes=0,
+                              kernel_launches=0, verified=False)
             self._passthrough_forwards += 1
             measured = self.controller is not None and self.controller.measuring
             if measured or self._passthrough_forwards % PASSTHROUGH_CHECK_EVERY == 1:
-                with ProgramCheck() as check:
-                    out = self.original_forward(*args, **kwargs)
+                check = ProgramCheck()
+                _local.active, self._recorder = self, check  # Triton launches are hashed too
+                try:
+                    with check:
+                        out = self.original_forward(*args, **kwargs)
+                finally:
+                    _local.active, self._recorder = None, None
                 if check.program_hash != self.program_hash:
                     self._mismatch("a different program (the ops it ran changed)")
             else:
@@ -236,9 +260,11 @@ class BlockState:
             return ids
 
         key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
+        verify = not self.debug and self._verifies(key)  # debug mode compares every value itself
         rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
                        follow=self._follow.get(key),
-                       learn_segments=self.follow and self.pure_calls and self.compiled is None)
+                       learn_segments=self.follow and self.pure_calls and self.compiled is None,
+                       verify=verify, keep_only_ops=self.keep_only_ops)
         if self._unit_hooks is None:
             self._hook_nested_units(module)
             if self.compiled is None:
@@ -263,6 +289,44 @@ class BlockState:
             self.controller.after_forward(self, replayer)
         return out
 
+    def _verifies(self, key: tuple) -> bool:
+        """Whether this forward is a verification forward (replay invariant 13): the first of a
+        new input shape or policy, the one after a recorded forward whose program differed from
+        the last verified one there, profiled and measured steps, and every ``verify_every``-th
+        forward. Decided from what every rank of an SPMD program shares (shapes, step kind, a
+        count), so ranks verify the same forwards."""
+        self._forwards += 1
+        return (key not in self._verified or self.timer is not None
+                or (self.controller is not None and self.controller.measuring)
+                or (self.verify_every > 0 and self._forwards % self.verify_every == 0))
+
+    def _note_verified(self, rec: Recorder, tape: Any, key: tuple, replayer: Replayer) -> None:
+        """Remember which program a recorded forward ran at ``key`` (see :meth:`_verifies`): a
+        verification forward's counts once its backward ran without a difference (when its
+        replayer goes, with its graph); a backward that never reached it verified nothing."""
+        if rec.followed:
+            return
+        fast = tape.fast_key()
+        if not rec.verify:
+            if self._verified.get(key) != fast:
+                self._verified.pop(key, None)
+            return
+        if not replayer.fingerprints:  # nothing to rebuild-check: verified as recorded
+            self._verified[key] = fast
+            return
+        weakref.finalize(replayer, _verdict, weakref.ref(self), key, fast, replayer.checks)
+
+    def _replay_differed(self, op: int) -> None:
+        """Replay invariant 13: op ``op``'s replay gave other bytes than its forward. Keep its
+        outputs from the next forward on; tapes followed so far did not, so forget them; a plan
+        made without it no longer fits (planned mode re-profiles)."""
+        self.keep_only_ops.add(op)
+        self._follow.clear()
+        self._last_key.clear()
+        self._verified.clear()
+        if self.controller is not None:
+            self.controller.policy_mismatch(self, f"op {op}'s replay differed from its forward")
+
     def _finish(self, rec: Recorder, args: tuple, kwargs: dict, key: tuple) -> Replayer:
         recording = rec.finalize()  # the recorder is done: replay owns the recording
         tape = recording.tape
@@ -273,6 +337,8 @@ class BlockState:
             self.on_record(self, rec, args, kwargs)
         replayer = Replayer(recording, program)
         replayer.stats = self.stats
+        replayer.on_mismatch = weakref.WeakMethod(self._replay_differed)
+        self._note_verified(rec, tape, key, replayer)
         s = self.stats
         s["passthrough"] = False
         s["compiled"] = False
@@ -284,6 +350,9 @@ class BlockState:
         s["kept_bytes"] = replayer.kept_bytes()
         s["input_bytes"] = replayer.input_bytes()
         s["off_tape_bytes"] = rec.off_tape_bytes
+        s["unseen_bytes"] = replayer.unseen_bytes()
+        s["kernel_launches"] = rec.kernel_launches
+        s["verified"] = rec.verify
         self.last_replayer = weakref.ref(replayer)
         self.last_tape = tape
         if self.compiled is not None:
@@ -407,6 +476,15 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
     Only a guess (a followed forward checks everything it reads), so it may be coarse."""
     return tuple((a.shape, a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
                  for a in (*args, *kwargs.values()))
+
+
+def _verdict(state_ref: weakref.ref, key: tuple, fast: int, checks: list) -> None:
+    """A verification forward's replayer is gone: its program counts as verified at ``key`` if
+    its backward checked what it rebuilt and found no difference (replay invariant 13)."""
+    state = state_ref()
+    unpacked, differed = checks
+    if state is not None and unpacked and not differed:
+        state._verified[key] = fast
 
 
 def _forget_keeps(recording: Any) -> None:

@@ -61,6 +61,15 @@ class OpInfo:
     dispatcher has returned them."""
     collective: bool = False
     """The op's namespace is one of :data:`COLLECTIVE_NAMESPACES`: it talks to other ranks."""
+    allocates: bool = False
+    """The op's outputs start as uninitialised memory (``empty`` and its kin, ``set_`` onto a
+    storage, ``resize_``): whatever is in them was written by later ops, seen or unseen."""
+    unread: frozenset = frozenset()
+    """Positions and names of tensor arguments whose *contents* the op does not read: every
+    argument of a view op, an allocation or a ``*_like``/``new_*`` factory (they read only
+    shape and dtype), and arguments an op overwrites whole (``copy_``'s and ``fill_``'s
+    ``self``, an ``out=`` argument). Reads decide when a value written outside the dispatcher
+    must be held (recorder invariant 10)."""
 
 
 _CACHE: dict[Any, OpInfo] = {}
@@ -88,6 +97,16 @@ def _analyse(func: Any) -> OpInfo:
     extra = _UNANNOTATED_WRITES.get(schema.name, ())
     writes += [(i, schema.arguments[i].name, False) for i in extra]
     tags = getattr(func, "tags", ())
+    view_of = _view_of(schema)
+    base = schema.name.split("::")[-1]
+    allocates = base in _ALLOCATING or schema.name == "aten::set_" and "source_Tensor" not in name
+    if view_of is not None or allocates or base.endswith("_like") or base.startswith("new_"):
+        unread = frozenset(a.name for a in schema.arguments) | frozenset(range(len(schema.arguments)))
+    else:
+        over = [(i, a.name) for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+                and (a.kwarg_only or (i == 0 and base in _OVERWRITING))]
+        unread = frozenset(n for _, n in over) | frozenset(i for i, _ in over)
     keep_only = None
     namespace = getattr(func, "namespace", "aten")
     if namespace in COLLECTIVE_NAMESPACES and (namespace not in REPLAYABLE_COLLECTIVE_NAMESPACES or writes):
@@ -103,9 +122,22 @@ def _analyse(func: Any) -> OpInfo:
         keep_only=keep_only,
         index_like=schema.name in _INDEX_OPS,
         returns_tensor=any("Tensor" in str(r.type) for r in schema.returns),
-        view_of=_view_of(schema),
+        view_of=view_of,
         collective=namespace in COLLECTIVE_NAMESPACES,
+        allocates=allocates,
+        unread=unread,
     )
+
+
+_ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                         "empty_permuted", "empty_quantized", "_empty_affine_quantized",
+                         "_empty_per_channel_affine_quantized", "resize_", "resize_as_"})
+"""Ops whose outputs (or whose written ``self``) hold uninitialised bytes: what ends up there is
+written by later ops, and replay may rebuild it only from ops it saw (recorder invariant 10)."""
+
+_OVERWRITING = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_",
+                          "geometric_", "log_normal_", "cauchy_", "bernoulli_", "_copy_from"})
+"""In-place ops that write every element of ``self`` without reading it."""
 
 
 def _view_of(schema: Any) -> int | None:

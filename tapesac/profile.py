@@ -21,7 +21,7 @@ import torch
 
 from .ops import may_communicate, op_info
 from .planner.graph import BlockGraph
-from .tape import EXTERNAL, PRODUCED, Tape
+from .tape import EXTERNAL, PRODUCED, UNSEEN, Tape
 
 
 class OpTimer:
@@ -114,6 +114,9 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
     held = {values[v].sid for v in needed
             if values[v].kind != EXTERNAL and value_op[v] == -1 and not values[v].free}
     g.fixed_bytes = sum(storage_bytes[s] for s in held)
+    unseen = {values[v].sid for v in needed if values[v].kind == PRODUCED and not values[v].free
+              and ops[values[v].op].keep_only == UNSEEN}
+    g.unseen_bytes = sum(storage_bytes[s] for s in unseen)
     return g
 
 

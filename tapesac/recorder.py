@@ -50,6 +50,17 @@ Invariants the recorder keeps (each is relied on by replay):
    backward, which runs after the nodes that read what the block computed from its outputs. So
    its outputs are held and their ops made keep-only (:meth:`Recorder.hold_outputs`): no replay
    reaches into it from outside; inside its own backward replay reads what FSDP gathered.
+10. Replay never rebuilds bytes that no recorded op wrote. The outputs of allocations (``empty``
+    and its kin: :attr:`~tapesac.ops.OpInfo.allocates`), views of them, and reads of a storage
+    that such an allocation made and no recorded op has overwritten whole are *unwritten*: what
+    is in them came from code the dispatcher never saw (a Triton or CUDA kernel, numpy, ctypes)
+    or from nobody. The first time an unwritten value is read (by an op that reads its contents,
+    not a view or an overwrite; or saved by autograd), it is held as it is then and its op made
+    keep-only (:data:`UNSEEN`); what is computed from it replays from that hold. A Triton launch
+    is an op like any other (:meth:`Recorder.launch_kernel`), so its outputs are written values.
+11. A Triton launch writes its pointer arguments without moving their version counters, so
+    every other alias of a storage it wrote is read as a new value of that storage
+    (``_kernel_written``), as after a write through a view.
 """
 
 from __future__ import annotations
@@ -67,8 +78,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ReplayError, TapeSACError
 from .replay import modified_error
-from .ops import generator_for, keep_only_reason, op_info, written_tensors
-from .tape import EXTERNAL, PRODUCED, SNAPSHOT, Ref, Tape, TapeOp, _has_ref, flatten_outputs
+from .kernels import KernelLaunch, fingerprint, launch_constants, written_by_analysis
+from .ops import OpInfo, generator_for, keep_only_reason, op_info, written_tensors
+from .tape import EXTERNAL, PRODUCED, SNAPSHOT, UNSEEN, Ref, Tape, TapeOp, _has_ref, flatten_outputs
 from .segments import Segment, call_key, eligible as segment_eligible, module_tensors
 
 Tensor = torch.Tensor
@@ -120,7 +132,7 @@ class Saved:
     """What autograd stores instead of a block-produced tensor: the value, and what autograd's
     version check needs (invariant 7)."""
 
-    __slots__ = ("link", "vid", "family", "version", "final")
+    __slots__ = ("link", "vid", "family", "version", "final", "__weakref__")
 
     def __init__(self, link: ReplayLink, vid: int, t: Tensor) -> None:
         self.link = link
@@ -162,7 +174,7 @@ def version_carrier(t: Tensor) -> Tensor:
 class AsIs:
     """A saved tensor TapeSAC leaves as it is (inputs, parameters), with its version when saved."""
 
-    __slots__ = ("link", "tensor", "version")
+    __slots__ = ("link", "tensor", "version", "__weakref__")
 
     def __init__(self, link: ReplayLink, t: Tensor) -> None:
         self.link = link
@@ -234,6 +246,11 @@ class Recording:
     """The plan this forward followed to its end (its tape is ``tape``), else None."""
     segments: list = dataclasses.field(default_factory=list)
     """Pure module calls of a recorded forward (:class:`~tapesac.segments.Segment`)."""
+    fingerprints: dict = dataclasses.field(default_factory=dict)
+    """Verification forwards: vid -> fingerprint of what autograd saved (replay invariant 13)."""
+    handles: list = dataclasses.field(default_factory=list)
+    """Verification forwards: weak references to the forward's :class:`Saved` handles, whose
+    version checks explain a difference before a fingerprint does (replay invariant 13)."""
 
 
 
@@ -385,6 +402,38 @@ def _copy(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.preserve_format)
 
 
+def _covers_storage(t: Tensor) -> bool:
+    """Whether writing every element of ``t`` writes every byte of its storage."""
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    if t.storage_offset() != 0 or t.numel() * t.element_size() != nbytes:
+        return False
+    expected = 1  # non-overlapping and dense: the strides, sorted, are running products of sizes
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_KERNEL_INFO = OpInfo(name="triton kernel", write_args=(), write_if_training=False, inplace_view=False,
+                      random=False, keep_only=None)
+"""What :meth:`Recorder._commit` needs to know of a Triton launch: it writes what it is told to."""
+
+
+def kernel_arg_names(kernel: Any, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``(name, value)`` of each argument of a launch (positional ones named by the kernel's
+    signature)."""
+    from .kernels import _signature_of
+
+    names = _signature_of(kernel)[0]
+    out = [(names[i] if i < len(names) else str(i), a) for i, a in enumerate(args)]
+    out.extend(kwargs.items())
+    return out
+
+
 _DETACH = torch.ops.aten.detach.default
 
 _SKIP_RECURSIVELY = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
@@ -422,11 +471,30 @@ class ProgramCheck(_Mode):
     def __init__(self) -> None:
         super().__init__()
         self.program_hash = 0
+        self._bypass = False
+
+    def run_module(self, module: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """A pure module call inside the block: its ops are hashed like any others."""
+        return fn(*args, **kwargs)
+
+    def launch_kernel(self, kernel: Any, run: Any, args: tuple, kwargs: dict) -> Any:
+        """A Triton launch (routed here by :mod:`tapesac.kernels`): one step, as on the tape."""
+        if self._bypass:
+            return run(kernel, *args, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        launch = KernelLaunch(kernel, kwargs.get("grid"), launch_constants(kernel, args, rest))
+        self._bypass = True
+        try:
+            out = run(kernel, *args, **kwargs)
+        finally:
+            self._bypass = False
+        self.program_hash = hash((self.program_hash, launch))
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is _DETACH:  # see Tape.program_hash
+        if func is _DETACH or self._bypass:  # see Tape.program_hash
             return out
         info = op_info(func)
         if (info.write_args and written_tensors(info, args, kwargs)) or any(
@@ -440,9 +508,27 @@ class Recorder(_Mode):
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
                  owned: set[int] | None = None, timer=None, follow: "FollowPlan | None" = None,
-                 learn_segments: bool = False) -> None:
+                 learn_segments: bool = False, verify: bool = False,
+                 keep_only_ops: frozenset | set = frozenset()) -> None:
         super().__init__()
         self.block = block
+        self.verify = verify
+        """A verification forward: saved handles carry fingerprints (replay invariant 13)."""
+        self._keep_only_ops = keep_only_ops
+        """Op indices whose replay gave other bytes than their forward: keep-only (:data:`UNSEEN`)."""
+        self._unwritten: set[int] = set()
+        """Values no recorded op wrote, not held yet (invariant 10)."""
+        self._unwritten_sids: set[int] = set()
+        """Storages an allocation made that no recorded op has overwritten whole (invariant 10)."""
+        self._kernel_written: dict[int, int] = {}
+        """sid -> the value a Triton launch last wrote there (invariant 11)."""
+        self.kernel_launches = 0
+        """Triton launches recorded as tape steps in this forward."""
+        self._kept_as_is: list[weakref.ref] = []
+        """Verification forwards: weak references to the :class:`AsIs` handles made."""
+        self.fingerprints: dict[int, Tensor] = {}
+        """Verification forwards: vid -> fingerprint of the tensor autograd saved (replay
+        invariant 13)."""
         self.timer = timer
         """An :class:`~tapesac.profile.OpTimer` in profiling forwards, else None."""
         self.tape = Tape()
@@ -526,6 +612,8 @@ class Recorder(_Mode):
                     reads = rec._reads
                     reads[vid] = reads.get(vid, 0) + 1
                     handle = Saved(rec.link, vid, t)
+                    if rec.verify:
+                        rec._fingerprint(vid, t)
                     rec._saved.append(handle)
                     return handle
             return rec._pack(t)
@@ -561,7 +649,8 @@ class Recorder(_Mode):
         vid = ent[1]
         if t._version != self.tape.values[vid].version or (
                 self._shard_versions and vid in self._shard_versions
-                and t._local_tensor._version != self._shard_versions[vid]):
+                and t._local_tensor._version != self._shard_versions[vid]) or (
+                self._kernel_written and vid < self._kernel_written.get(self.tape.values[vid].sid, -1)):
             vid = self._refresh(t)
         return vid
 
@@ -658,8 +747,11 @@ class Recorder(_Mode):
         if src is None:
             # Written by code the dispatcher never saw: all we can do is hold it as it is now.
             return self._external(t)
-        return self._step(storage_alias, (Ref(src), t.dtype, tuple(t.shape), tuple(t.stride()),
-                                          t.storage_offset()), src, t)
+        vid = self._step(storage_alias, (Ref(src), t.dtype, tuple(t.shape), tuple(t.stride()),
+                                         t.storage_offset()), src, t)
+        if sid in self._unwritten_sids:  # invariant 10: parts of it no recorded op wrote
+            self._unwritten.add(vid)
+        return vid
 
     # Recording ------------------------------------------------------------------------------
 
@@ -676,8 +768,11 @@ class Recorder(_Mode):
             return list(a) if isinstance(a, list) else a
         return a
 
-    def _before_write(self, t: Tensor) -> None:
-        """Invariant 3: nothing held may be clobbered by the write about to happen to ``t``."""
+    def _before_write(self, t: Tensor, copies: dict[int, Tensor] | None = None) -> None:
+        """Invariant 3: nothing held may be clobbered by the write about to happen to ``t``.
+
+        ``copies``: vid -> a copy of a held value taken before a write that has already happened
+        (a Triton launch whose written arguments are known only afterwards)."""
         sid = self._sid(t)
         vids = self._held_by_sid.pop(sid, None)
         if not vids:
@@ -691,7 +786,7 @@ class Recorder(_Mode):
             if v.kind == PRODUCED and self.tape.ops[v.op].keep_only is None:
                 del self.held[vid]  # replayable: drop the hold, replay rebuilds this version
                 continue
-            copy = _copy(self.held[vid])
+            copy = copies[vid] if copies is not None else _copy(self.held[vid])
             new_sid = len(self.tape.storage_nbytes)
             self.tape.storage_nbytes[new_sid] = copy.untyped_storage().nbytes()
             v.kind, v.sid, v.nbytes, v.free = SNAPSHOT, new_sid, self.tape.storage_nbytes[new_sid], False
@@ -711,6 +806,8 @@ class Recorder(_Mode):
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = op_info(func)
         eargs, ekwargs, deps = self._encode_all(args, kwargs)
+        if self._unwritten:
+            self._read_unwritten(info, args, kwargs)
         written = written_tensors(info, args, kwargs) if info.write_args else ()
         before = []
         if written:
@@ -745,7 +842,10 @@ class Recorder(_Mode):
         op.time_s = elapsed
         op.inplace_view = info.inplace_view
         op.keep_only = (keep_only_reason(info, args) if info.keep_only else None) or (
-            "random op on a device without a known generator" if info.random and rng is None else None)
+            "random op on a device without a known generator" if info.random and rng is None else None) or (
+            UNSEEN if idx in self._keep_only_ops else None)
+        view_unwritten = (info.view_of is not None and self._unwritten and info.view_of < len(args)
+                          and self._vid_now(args[info.view_of]) in self._unwritten)
         tape.ops.append(op)
         pending = {id(t): (t, bumps, b) for (t, bumps), b in zip(written, before)} if written else {}
         first_new_sid = len(tape.storage_nbytes)
@@ -775,6 +875,8 @@ class Recorder(_Mode):
             tensors.append(t)
         op.outs = outs
         op.writes = tuple(writes)
+        if info.allocates or view_unwritten or writes and self._unwritten_sids:
+            self._note_unwritten(op, info, tensors, view_unwritten)
         nbytes = tape.storage_nbytes
         if len(nbytes) > first_new_sid:
             op.alloc_bytes = sum([nbytes[s] for s in range(first_new_sid, len(nbytes))])
@@ -785,6 +887,154 @@ class Recorder(_Mode):
         for slot, vid in enumerate(outs):
             if vid is not None and (keep_all or values[vid].free or (idx, slot) in keep):
                 self._hold(vid, tensors[slot])
+
+    # Bytes the dispatcher did not see written (invariants 10 and 11) -------------------------
+
+    def _vid_now(self, t: Any) -> int | None:
+        """The value ``t`` is mapped to now, without refreshing it (None: not on the tape)."""
+        ent = self._ids.get(id(t)) if isinstance(t, Tensor) else None
+        return ent[1] if ent is not None and ent[0]() is t else None
+
+    def _read_unwritten(self, info: OpInfo, args: tuple, kwargs: dict) -> None:
+        """Hold every unwritten value whose contents this op reads (invariant 10)."""
+        unread = info.unread
+        for where, a in (*enumerate(args), *kwargs.items()):
+            if where in unread:
+                continue
+            for t in (a if type(a) in (list, tuple) else (a,)):
+                vid = self._vid_now(t)
+                if vid is not None and vid in self._unwritten:
+                    self._hold_unseen(vid, t)
+
+    def _note_unwritten(self, op: TapeOp, info: OpInfo, tensors: list, view_unwritten: bool) -> None:
+        """After an op: which of its values are unwritten, and which storages it wrote whole."""
+        values = self.tape.values
+        written = {after for _, after in op.writes}
+        for vid, t in zip(op.outs, tensors):
+            if vid is None:
+                continue
+            v = values[vid]
+            if info.allocates or (view_unwritten and vid not in written):
+                self._unwritten.add(vid)
+                if info.allocates:
+                    self._unwritten_sids.add(v.sid)
+            elif vid in written and v.sid in self._unwritten_sids and _covers_storage(t):
+                self._unwritten_sids.discard(v.sid)
+
+    def _hold_unseen(self, vid: int, t: Tensor) -> None:
+        """Hold an unwritten value as it is now and make its op keep-only (invariant 10): replay
+        cannot make bytes that no recorded op wrote. Other outputs of that op still alive are
+        held with it (it is keep-only as a whole)."""
+        tape = self.tape
+        op = tape.ops[tape.values[vid].op]
+        if op.keep_only is None:
+            op.keep_only = UNSEEN
+        bypass, self._bypass = self._bypass, True
+        try:
+            pending = [(vid, t)]
+            if len(op.outs) > 1:
+                alive = {v: r for r, v in self._ids.values()}
+                for o in op.outs:
+                    r = alive.get(o) if o is not None and o != vid else None
+                    t_o = None if r is None else r()
+                    if t_o is not None and t_o._version == tape.values[o].version:
+                        pending.append((o, t_o))
+            for o, t_o in pending:
+                self._unwritten.discard(o)
+                if o not in self.held:
+                    self._hold(o, t_o)
+        finally:
+            self._bypass = bypass
+
+    def _as_is(self, t: Tensor) -> "AsIs":
+        """A saved tensor left as it is; on verification forwards also remembered (weakly), since
+        its version check explains a replayed difference first (replay invariant 13)."""
+        handle = AsIs(self.link, t)
+        if self.verify:
+            self._kept_as_is.append(weakref.ref(handle))
+        return handle
+
+    def _fingerprint(self, vid: int, t: Tensor) -> None:
+        """Verification forwards: what replay must rebuild of a saved value, bit for bit (replay
+        invariant 13)."""
+        if vid not in self.fingerprints:
+            with torch._C._DisableTorchDispatch():  # TapeSAC's own check: no op of the block, no meter
+                fp = fingerprint(t)
+            if fp is not None:
+                self.fingerprints[vid] = fp
+
+    def launch_kernel(self, kernel: Any, run: Any, args: tuple, kwargs: dict) -> Any:
+        """A Triton launch inside the block's forward (:mod:`tapesac.kernels` routes it here):
+        run it and put it on the tape as a :class:`~tapesac.kernels.KernelLaunch` step whose
+        values are the arguments it wrote (invariants 10 and 11)."""
+        if self._bypass or self._seg_run is not None:  # inside another launch, or a pure call
+            return run(kernel, *args, **kwargs)
+        if self._fresh:
+            self._settle()
+        if self._plan is not None:
+            self._leave_follow()  # tapes with launches are not followed (FollowPlan.eligible)
+        kwargs = dict(kwargs)
+        grid = kwargs.pop("grid")
+        kwargs.pop("warmup", None)
+        launch = KernelLaunch(kernel, grid, launch_constants(kernel, args, kwargs))
+        eargs, ekwargs, deps = self._encode_all(args, kwargs)
+        tensors: dict[int, Tensor] = {}
+        for a in (*args, *kwargs.values()):
+            for t in (a if type(a) in (list, tuple) else (a,)):
+                if isinstance(t, Tensor):
+                    tensors.setdefault(id(t), t)
+        names = kernel_arg_names(kernel, args, kwargs)
+        static = written_by_analysis(kernel, args, kwargs)
+        self._bypass = True
+        try:
+            if static is not None:
+                maybe = list({id(t): t for n, t in names if n in static and isinstance(t, Tensor)}.values())
+            else:
+                maybe = list(tensors.values())
+            before_fp = [fingerprint(t) for t in maybe] if static is None else None
+            if before_fp is not None and any(fp is None for fp in before_fp):
+                before_fp = None  # a tensor subclass: take every argument as written
+            # Held values in the storages the launch may write, as they are before it (invariant 3).
+            copies: dict[int, Tensor] = {}
+            for t in maybe:
+                for hv in self._held_by_sid.get(self._sid(t), ()):
+                    if hv not in copies and not (self.tape.values[hv].kind == PRODUCED
+                                                 and self.tape.ops[self.tape.values[hv].op].keep_only is None):
+                        copies[hv] = _copy(self.held[hv])
+            if self.timer is None:
+                out = launch(*args, **kwargs)
+                elapsed = None
+            else:
+                out, elapsed = self.timer.call(launch, args, kwargs, can_repeat=False, rng=None)
+            if before_fp is None:
+                written_ts = maybe
+            else:
+                written_ts = [t for t, fp in zip(maybe, before_fp) if not torch.equal(fingerprint(t), fp)]
+        finally:
+            self._bypass = False
+        if self._unwritten:  # what the launch read but did not write
+            written_ids = {id(t) for t in written_ts}
+            for t in tensors.values():
+                vid = self._vid_now(t)
+                if id(t) not in written_ids and vid is not None and vid in self._unwritten:
+                    self._hold_unseen(vid, t)
+        written = [(t, False) for t in written_ts]
+        before = [self._lookup(t) for t in written_ts]
+        for t in written_ts:
+            self._before_write(t, copies)
+        self.kernel_launches += 1
+        self._commit(launch, _KERNEL_INFO, args, eargs, ekwargs, deps, written, before, None, elapsed, out)
+        values = self.tape.values
+        op = self.tape.ops[-1] if self.tape.ops else None
+        if op is not None and op.func is launch:
+            for _before, after in op.writes:
+                sid = values[after].sid
+                self._kernel_written[sid] = after
+                self._unwritten.discard(after)
+            for t in written_ts:  # a launch writes what it writes: treat it as whole (see README)
+                if _covers_storage(t):
+                    self._unwritten_sids.discard(self._sid(t))
+        return out
 
     # Follow mode ----------------------------------------------------------------------------
 
@@ -1025,7 +1275,7 @@ class Recorder(_Mode):
         ent = self._fids.get(id(t))
         if ent is None or ent[0]() is not t:
             if self._follow_derive(t) is None:
-                handle = AsIs(self.link, t)
+                handle = self._as_is(t)
                 self._note_off_tape(t, handle.tensor)
                 return handle
             ent = self._fids[id(t)]
@@ -1040,9 +1290,11 @@ class Recorder(_Mode):
             return None
         v = self._plan.tape.values[vid]
         if v.kind != PRODUCED or v.free:
-            return AsIs(self.link, t)
+            return self._as_is(t)
         self._reads[vid] = self._reads.get(vid, 0) + 1
         handle = Saved(self.link, vid, t)
+        if self.verify:
+            self._fingerprint(vid, t)
         self._saved.append(handle)
         return handle
 
@@ -1096,6 +1348,15 @@ class Recorder(_Mode):
         for op in tape.ops:
             for _, after in op.writes:
                 self._last_write[values[after].sid] = after
+            info = op_info(op.func)
+            if info.allocates or info.view_of is not None and any(d in self._unwritten for d in op.deps):
+                # Invariant 10 from here on: what the followed part allocated and did not hold.
+                # Whole overwrites are not known without the tensors: those storages stay unwritten.
+                for o in op.outs:
+                    if o is not None and o not in self.held:
+                        self._unwritten.add(o)
+                        if info.allocates:
+                            self._unwritten_sids.add(values[o].sid)
         self._fids, self._reads, self._rng, self._args, self._held_versions = {}, {}, {}, {}, {}
         self._dtensors = {}
 
@@ -1171,14 +1432,18 @@ class Recorder(_Mode):
                                         None if vid is not None else (id(t), weakref.ref(t))))
             if vid is None:
                 self._note_off_tape(t)
-                return AsIs(self.link, t)
+                return self._as_is(t)
+            if self._unwritten and vid in self._unwritten:
+                self._hold_unseen(vid, t)  # invariant 10: autograd reads it in backward
             v = self.tape.values[vid]
             if v.kind != PRODUCED or v.free:
-                return AsIs(self.link, t)
+                return self._as_is(t)
             v.reads += 1
             if self.debug_refs is not None:
                 self.debug_refs[vid] = t.detach()
             handle = Saved(self.link, vid, t)
+            if self.verify:
+                self._fingerprint(vid, t)
             self._saved.append(handle)
             return handle
         finally:
@@ -1215,7 +1480,8 @@ class Recorder(_Mode):
             return fn(*args, **kwargs)
         plan = self._plan
         if plan is not None:
-            seg = plan.segments.get(self._i)
+            # A verification forward fingerprints every saved tensor: no call runs unobserved.
+            seg = None if self.verify else plan.segments.get(self._i)
             if seg is not None:
                 out = self._run_segment(plan, seg, module, fn, args)
                 if out is not None:
@@ -1267,7 +1533,7 @@ class Recorder(_Mode):
         if k < len(seg.packs) and seg.packs[k][1] and type(t) in _PLAIN:
             handle: Any = Saved(self.link, seg.packs[k][0], t)
         else:
-            handle = AsIs(self.link, t)
+            handle = self._as_is(t)
         run.append((t, handle))
         return handle
 
@@ -1374,6 +1640,7 @@ class Recorder(_Mode):
             last_versions, wrapper_versions = self.tape.last_versions(), self.tape.last_versions(wrappers=True)
         for handle in self._saved:
             handle.settle(self.tape, wrapper_versions if values[handle.vid].wrapper else last_versions)
+        handles = [weakref.ref(h) for h in self._saved] + self._kept_as_is if self.fingerprints else []
         self._saved = []
         # Outside the mode a detach shares the original's version counter (invariant 7).
         seen = self._held_versions if plan is not None else None
@@ -1381,7 +1648,7 @@ class Recorder(_Mode):
                     for vid, t in self._originals.items()}
         recording = Recording(self.block, self.tape, self.held, versions, self.owned_vids,
                               self.debug_refs, self.link, self._rng, self._args, plan,
-                              self.segments if plan is None else [])
+                              self.segments if plan is None else [], self.fingerprints, handles)
         self.held, self.debug_refs, self._originals = {}, None, {}
         self._ids, self._storages, self._held_by_sid, self._last_write = {}, {}, {}, {}
         self._fids, self._plan = {}, None

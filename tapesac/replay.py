@@ -20,6 +20,12 @@ Invariants (numbered as in recorder.py's, continued):
 12. Replay runs the recorded overloads with grad and autocast off; random ops restore their
     recorded generator state and put the current one back afterwards. Double backward needs no
     graph inside the replayed values: autograd reattaches each unpacked value's own grad edge.
+13. On verification forwards every saved handle carries a fingerprint of the tensor autograd
+    saved (recorder's :meth:`~tapesac.recorder.Recorder._fingerprint`). A value replay rebuilt
+    (not one it held) is compared with it before autograd gets it; bytes that differ mean a
+    write the tape did not see (a kernel outside the dispatcher writing an existing tensor): the
+    unpack fails with a :class:`ReplayError` naming the producer, and ``on_mismatch`` makes that
+    producer keep-only for the block's later forwards.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ReplayError
-from .tape import EXTERNAL, PRODUCED, Ref, TapeOp, flatten_outputs
+from .kernels import fingerprint
+from .ops import op_info
+from .tape import EXTERNAL, PRODUCED, UNSEEN, Ref, TapeOp, flatten_outputs
 
 if TYPE_CHECKING:
     from .recorder import Recording
@@ -207,6 +215,16 @@ class Replayer:
         """The graph task of the current pass (invariant 9); None before the first unpack."""
         self.on_unpack = None
         """Memory tracing: called with the value's id at the start of every unpack."""
+        self.fingerprints = recording.fingerprints
+        """Verification forwards: vid -> fingerprint of what autograd saved (invariant 13)."""
+        self.handles = recording.handles
+        """Weak references to the forward's saved handles (verification forwards only)."""
+        self.checks = [False, False]
+        """Verification forwards: [backward unpacked from it, a difference found]; shared
+        with whoever waits for this replayer's verdict (it outlives the replayer)."""
+        self.on_mismatch = None
+        """A weak method called with the op index whose replayed value differed from its
+        fingerprint (invariant 13); weak, so no cycle runs through the block's state."""
         recording.link.replayer = self  # the handles reach the replayer; nothing here points back
 
     # Accounting -------------------------------------------------------------------------------
@@ -227,6 +245,17 @@ class Replayer:
             if v.kind == EXTERNAL or v.free:
                 continue
             seen[_storage_ptr(t)] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def unseen_bytes(self) -> int:
+        """Bytes of distinct storages held because no recorded op wrote them (recorder
+        invariant 10) or their replay differed once (invariant 13)."""
+        seen: dict[int, int] = {}
+        values, ops = self.tape.values, self.tape.ops
+        for vid, t in self.pinned.items():
+            v = values[vid]
+            if v.kind == PRODUCED and ops[v.op].keep_only == UNSEEN and not v.free:
+                seen[_storage_ptr(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
     def input_bytes(self) -> int:
@@ -255,13 +284,98 @@ class Replayer:
             self._new_pass(task)
         if self.on_unpack is not None:
             self.on_unpack(vid)
+        fp = self.fingerprints.get(vid) if self.fingerprints else None
+        rebuilt = fp is not None and vid not in self.pinned and vid not in self.kept
         t = self._available(vid)
         if t is None:
             t = self._materialize(vid)
+        if rebuilt:
+            self._verify(vid, t, fp)
+        self.checks[0] = True
         self._release(vid)
         if self.debug_refs is not None:
             self._check(vid, t)
         return t
+
+    def _differs(self, t: Tensor, fp: Tensor) -> bool:
+        with torch._C._DisableTorchDispatch():
+            now = fingerprint(t)
+            return now is not None and not bool(torch.equal(now, fp))
+
+    def _explain_by_versions(self) -> None:
+        """A rebuilt value differs because a tensor it was made from changed in place where
+        autograd's version counters saw it: raise what autograd would raise for that instead."""
+        for vid, (carrier, version) in self._versions.items():
+            if carrier._version != version:
+                raise self._modified(vid, carrier, version)
+        for ref in self.handles:
+            h = ref()
+            if h is None:
+                continue
+            if not hasattr(h, "family"):  # left as it is (AsIs): the tensor itself
+                t = h.tensor
+                if t._version != h.version:
+                    raise modified_error(t.dtype, t.device, t.shape, t._version, h.version, self.block)
+                continue
+            current = h.final if h.family is None else h.family._version
+            if current is not None and current != h.version:
+                v = self.tape.values[h.vid]
+                raise modified_error(v.dtype, self.device, v.shape, current, h.version, self.block)
+
+    def _describe(self, vid: int) -> str:
+        """``op 3 (aten.view.default, a view of op 2 aten.addmm.default) slot 0, shape [...]``."""
+        tape, values = self.tape, self.tape.values
+        v = values[vid]
+        name = tape.op_name(v.op)
+        base = v
+        while base.op >= 0 and op_info(tape.ops[base.op].func).view_of is not None and tape.ops[base.op].deps:
+            base = values[tape.ops[base.op].deps[0]]
+        if base is not v and base.op >= 0:
+            name += f", a view of op {base.op} {tape.op_name(base.op)}"
+        return f"op {v.op} ({name}) slot {v.slot}, shape {list(v.shape)} {v.dtype}"
+
+    def _verify(self, vid: int, t: Tensor, fp: Tensor) -> None:
+        """Invariant 13: a rebuilt value has the bytes autograd saved, or the unpack fails.
+
+        On a difference, every fingerprinted value replay can rebuild is checked, and the ones
+        that differ while nothing they are rebuilt from does are blamed: their producers are
+        made keep-only for the block's next forwards, so one failure covers them all."""
+        if not self._differs(t, fp):
+            return
+        self.checks[1] = True
+        self._explain_by_versions()
+        tape = self.tape
+        values = tape.values
+        differ = {vid}
+        originals = set(self.pinned) | set(self.kept)
+        for u in sorted(self.fingerprints):
+            if u == vid or u in originals:
+                continue
+            try:
+                other = self._available(u)
+                if other is None:
+                    other = self._materialize(u)
+            except ReplayError:
+                continue
+            if self._differs(other, self.fingerprints[u]):
+                differ.add(u)
+        roots = []
+        for u in sorted(differ):
+            made = {o for i in tape.producer_closure([u], originals) for o in tape.ops[i].outs if o is not None}
+            if not (made - {u}) & differ:
+                roots.append(u)
+        notify = self.on_mismatch() if self.on_mismatch is not None else None
+        if notify is not None:
+            for u in roots:
+                notify(values[u].op)
+        where = "; ".join(self._describe(u) for u in roots)
+        raise ReplayError(
+            f"TapeSAC block {self.block}: replay rebuilt other bytes than the forward saved, first "
+            f"from {where}: something wrote {'it' if len(roots) == 1 else 'them'} where the dispatcher "
+            "could not see (a Triton or CUDA-extension kernel, numpy, ctypes). Register that kernel "
+            "as a torch.library custom op (or launch it as a Triton kernel, which TapeSAC records), "
+            "or let TapeSAC keep the value: from the block's next forward on, those outputs are "
+            "kept, never rebuilt, so later steps are exact.")
 
     def _available(self, vid: int) -> Tensor | None:
         """The cached value, if it is still what the forward made (invariant 11)."""

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .kernels import KernelLaunch
 from .ops import COLLECTIVE_NAMESPACES
 
 # Value kinds.
@@ -24,6 +25,10 @@ PRODUCED = 1
 """Made by a recorded op: an output, or the new version of an argument the op wrote."""
 SNAPSHOT = 2
 """A copy of a held value, taken just before an in-place op overwrote it."""
+
+UNSEEN = "written outside the dispatcher"
+"""The ``keep_only`` reason of values whose bytes no recorded op wrote (recorder invariant 10),
+and of producers whose replay once gave other bytes than the forward's (replay invariant 13)."""
 
 
 _DETACH = torch.ops.aten.detach.default
@@ -188,7 +193,7 @@ class Tape:
         for op in self.ops:
             # Not the recorder's own storage aliases, nor detach (autograd detaches the outputs
             # it saves: a plain-autograd run dispatches detaches a recorded one does not).
-            if hasattr(op.func, "_schema") and op.func is not _DETACH:
+            if (hasattr(op.func, "_schema") and op.func is not _DETACH) or type(op.func) is KernelLaunch:
                 h = hash((h, op.func))
         return h
 

@@ -26,6 +26,7 @@ and of the input leaves, and every buffer, bit for bit, and returns one of these
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import random
@@ -34,6 +35,7 @@ import traceback
 import warnings
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -407,6 +409,54 @@ def _custom_function(blk, k, rng):
     return fn
 
 
+_UNSEEN = ["numpy_fresh", "numpy_view", "ctypes_fresh", "numpy_inplace", "numpy_fn",
+           "triton_fresh", "triton_inplace", "triton_fn"]
+
+
+def _unseen(blk, k, rng):
+    """Writes the dispatcher never sees, as GPU kernels make them: numpy and ctypes writes into
+    fresh buffers, into views of them and in place into an existing activation, inside and
+    outside autograd Functions, and real Triton kernels (Triton's interpreter)."""
+    from . import unseen as u
+
+    variants = _UNSEEN if u.triton is not None else [v for v in _UNSEEN if not v.startswith("triton")]
+    variant = rng.choice(variants)
+    blk.feature("unseen:" + variant)
+    w = blk.param(k + "w", D)
+
+    def fn(h, env):
+        g = getattr(blk, w)
+        if variant == "numpy_fresh":
+            buf = torch.empty_like(h)
+            np.tanh(u.host(h), out=u.host(buf))
+            return h + buf * g
+        if variant == "numpy_view":
+            buf = torch.empty(B, T, 2 * D, dtype=h.dtype)
+            u.host(buf)[..., :D] = np.sin(u.host(h))
+            u.host(buf)[..., D:] = 0.5
+            return h * buf[..., :D] + buf[..., D:] * g
+        if variant == "ctypes_fresh":
+            src = torch.sigmoid(h * g).contiguous()
+            buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+            ctypes.memmove(buf.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+            return h + buf * g
+        if variant == "numpy_inplace":
+            y = h * g
+            u.host(y)[...] *= 1.5  # an opaque kernel updating an activation: loud once, or exact
+            return h + y * y
+        if variant == "numpy_fn":
+            return h + u.UnseenTanh.apply(h.contiguous(), g)
+        if variant == "triton_fresh":
+            return h + u.launch_affine(h.detach().contiguous()) * g
+        if variant == "triton_inplace":
+            y = (h * g).contiguous()
+            n = y.numel()
+            u.scale_inplace_kernel[(u.triton.cdiv(n, 64),)](y, n, 0.5, BLOCK=64)
+            return h + y * y
+        return h + u.TritonAffine.apply(h * g)
+    return fn
+
+
 def _unused_op_output(blk, k, rng):
     variant = rng.choice(["max_indices", "var_mean_var", "sort_values", "aminmax"])
     blk.feature("unused_op_output:" + variant)
@@ -576,6 +626,7 @@ BUILDERS: dict[str, tuple[Callable, float]] = {
     "module": (_module, 1.0),
     "illegal_inplace": (_illegal_inplace, 0.05),
     "dtensor": (_dtensor, 0.4),
+    "unseen": (_unseen, 0.6),
 }
 """Step kind -> (builder, relative weight of drawing it)."""
 
@@ -745,6 +796,7 @@ def all_features() -> list[str]:
     names |= {"unused_op_output:" + v for v in ["max_indices", "var_mean_var", "sort_values", "aminmax"]}
     names |= {"dead:dropped", "dead:no_grad_stats", "dead:to_aux"}
     names |= {"dtensor:" + v for v in ["to_from_local", "shard_write", "redistribute"]}
+    names |= {"unseen:" + v for v in _UNSEEN}
     return sorted(names)
 
 

@@ -49,6 +49,9 @@ class BlockGraph:
     everything backward reads and runs as plain autograd."""
     fixed_bytes: float = 0.0
     """Bytes held whatever the plan (outputs of keep-only ops that backward needs)."""
+    unseen_bytes: float = 0.0
+    """Of ``fixed_bytes``, those held because no recorded op wrote them (written outside the
+    dispatcher: a kernel, numpy) or their replay once differed from the forward."""
     signature: str = ""
 
     # Derived ---------------------------------------------------------------------------------
