@@ -59,7 +59,10 @@ class TapeSACHandle:
         ``off_tape_bytes``: saved tensors no recorded op made, held as they are (0 when TapeSAC saw
         everything the block's backward reads being made); ``followed``: the last forward followed
         a verified tape instead of recording; ``ops_unobserved``: ops of it that ran in pure module
-        calls with the dispatch mode off (:mod:`tapesac.segments`)."""
+        calls with the dispatch mode off (:mod:`tapesac.segments`); ``unseen_bytes``: bytes held
+        because no recorded op wrote them (a kernel, numpy) or their replay once differed;
+        ``kernel_launches``: Triton launches recorded as tape steps; ``verified``: the last
+        forward was a verification forward (its saved tensors fingerprinted)."""
         return {s.index: dict(s.stats) for s in self.blocks}
 
     def tapes(self) -> dict[int, Any]:

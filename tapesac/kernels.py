@@ -110,6 +110,22 @@ class KernelLaunch:
         shape = getattr(grid, "__code__", None) if callable(grid) else len(grid)
         return (id(self.kernel), self.consts, shape)
 
+    def same_grid(self, other: "KernelLaunch") -> bool:
+        """Whether ``other`` launches as many programs: equal grid tuples, or the same grid
+        function over equal captured values (a followed forward replays with the tape's grid)."""
+        a, b = self.grid, other.grid
+        if not callable(a) or not callable(b):
+            return a == b
+        if a is b:
+            return True
+        if getattr(a, "__code__", None) is None or a.__code__ is not getattr(b, "__code__", None):
+            return False
+        cells = lambda f: tuple(c.cell_contents for c in (f.__closure__ or ()))  # noqa: E731
+        try:
+            return cells(a) == cells(b) and a.__defaults__ == b.__defaults__
+        except (ValueError, RuntimeError):  # an empty cell, or values that do not compare
+            return False
+
     def __eq__(self, other: object) -> bool:
         return type(other) is KernelLaunch and self._key() == other._key()
 
@@ -178,11 +194,15 @@ def written_by_analysis(kernel: Any, args: tuple, kwargs: dict) -> frozenset[str
         triton.runtime.driver.active.get_current_target()  # raises without a driver
         from torch._higher_order_ops import triton_kernel_wrap as wrap
 
+        inner = kernel
+        while type(inner).__name__ == "Heuristics":  # what Heuristics.run adds, then its kernel
+            bound.update({name: rule(dict(bound)) for name, rule in inner.values.items()})
+            inner = inner.fn
         hop_log = logging.getLogger(wrap.__name__)
         level = hop_log.level
         hop_log.setLevel(logging.ERROR)  # it warns and assumes everything is written on failure
         try:
-            accesses = wrap.identify_accessed_tensors(kernel, bound, {})
+            accesses = wrap.identify_accessed_tensors(inner, bound, {})
         finally:
             hop_log.setLevel(level)
         tensors = {n for n, v in bound.items() if isinstance(v, Tensor)}

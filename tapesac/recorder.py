@@ -379,7 +379,7 @@ class FollowPlan:
         # A snapshot replay needs is a copy the recorder made before a write: record every time.
         # One it does not need (a buffer updated in place, e.g. MoE load statistics) costs nothing.
         return not any(values[vid].kind == SNAPSHOT for vid in (*program.pinned, *program.kept)) and all(
-            (hasattr(op.func, "_schema") or op.func in _DTENSOR_STEPS)
+            (hasattr(op.func, "_schema") or op.func in _DTENSOR_STEPS or type(op.func) is KernelLaunch)
             and not any(type(a) is not Ref and _has_ref(a) for a in op.kwargs.values())
             for op in tape.ops)
 
@@ -966,72 +966,101 @@ class Recorder(_Mode):
     def launch_kernel(self, kernel: Any, run: Any, args: tuple, kwargs: dict) -> Any:
         """A Triton launch inside the block's forward (:mod:`tapesac.kernels` routes it here):
         run it and put it on the tape as a :class:`~tapesac.kernels.KernelLaunch` step whose
-        values are the arguments it wrote (invariants 10 and 11)."""
+        values are the arguments it wrote (invariants 10 and 11); following, check it against
+        the tape's next step instead."""
         if self._bypass or self._seg_run is not None:  # inside another launch, or a pure call
             return run(kernel, *args, **kwargs)
         if self._fresh:
             self._settle()
-        if self._plan is not None:
-            self._leave_follow()  # tapes with launches are not followed (FollowPlan.eligible)
         kwargs = dict(kwargs)
         grid = kwargs.pop("grid")
         kwargs.pop("warmup", None)
         launch = KernelLaunch(kernel, grid, launch_constants(kernel, args, kwargs))
-        eargs, ekwargs, deps = self._encode_all(args, kwargs)
         tensors: dict[int, Tensor] = {}
         for a in (*args, *kwargs.values()):
             for t in (a if type(a) in (list, tuple) else (a,)):
                 if isinstance(t, Tensor):
                     tensors.setdefault(id(t), t)
-        names = kernel_arg_names(kernel, args, kwargs)
         static = written_by_analysis(kernel, args, kwargs)
+        if static is not None:
+            maybe = list({id(t): t for n, t in kernel_arg_names(kernel, args, kwargs)
+                          if n in static and isinstance(t, Tensor)}.values())
+        else:
+            maybe = list(tensors.values())
+        self.kernel_launches += 1
+        plan = self._plan
+        if plan is not None:
+            i = self._i
+            step = plan.steps[i] if i < len(plan.steps) else None
+            seen = (self._match_args(step, args, kwargs)
+                    if step is not None and step.func == launch and step.func.same_grid(launch) else None)
+            if seen is None:
+                self._leave_follow()
+            else:
+                # Held values a write would clobber, should the launch write other arguments than
+                # the tape's (then it is recorded after all, and invariant 3 needs them).
+                values = plan.tape.values
+                sids = {values[seen[id(t)]].sid for t in maybe if id(t) in seen}
+                copies = {vid: _copy(h) for vid, h in self.held.items()
+                          if values[vid].sid in sids and not (values[vid].kind == PRODUCED
+                                                             and plan.tape.ops[values[vid].op].keep_only is None)}
+                out, written_ts, _ = self._run_launch(launch, args, kwargs, maybe, static)
+                if {seen.get(id(t)) for t in written_ts} == set(step.after):
+                    return self._follow_out(step, i, launch, args, kwargs, [(t, False) for t in written_ts], seen, out)
+                self._leave_follow()  # it wrote other arguments than when it was recorded
+                return self._commit_launch(launch, args, kwargs, tensors, written_ts, copies, None, out)
+        eargs_deps = self._encode_all(args, kwargs)
+        # Held values in the storages the launch may write, as they are before it (invariant 3).
+        copies = {}
+        for t in maybe:
+            for hv in self._held_by_sid.get(self._sid(t), ()):
+                v = self.tape.values[hv]
+                if hv not in copies and not (v.kind == PRODUCED and self.tape.ops[v.op].keep_only is None):
+                    copies[hv] = _copy(self.held[hv])
+        out, written_ts, elapsed = self._run_launch(launch, args, kwargs, maybe, static, timed=True)
+        return self._commit_launch(launch, args, kwargs, tensors, written_ts, copies, elapsed, out, eargs_deps)
+
+    def _run_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, maybe: list, static: Any,
+                    timed: bool = False) -> tuple[Any, list, float | None]:
+        """Run a launch with the mode out of the way; (its result, the tensors it wrote, its
+        measured time when profiling). Without PyTorch's analysis of the kernel, the tensors it
+        wrote are those whose bytes it changed."""
         self._bypass = True
         try:
-            if static is not None:
-                maybe = list({id(t): t for n, t in names if n in static and isinstance(t, Tensor)}.values())
-            else:
-                maybe = list(tensors.values())
-            before_fp = [fingerprint(t) for t in maybe] if static is None else None
-            if before_fp is not None and any(fp is None for fp in before_fp):
-                before_fp = None  # a tensor subclass: take every argument as written
-            # Held values in the storages the launch may write, as they are before it (invariant 3).
-            copies: dict[int, Tensor] = {}
-            for t in maybe:
-                for hv in self._held_by_sid.get(self._sid(t), ()):
-                    if hv not in copies and not (self.tape.values[hv].kind == PRODUCED
-                                                 and self.tape.ops[self.tape.values[hv].op].keep_only is None):
-                        copies[hv] = _copy(self.held[hv])
-            if self.timer is None:
-                out = launch(*args, **kwargs)
-                elapsed = None
-            else:
+            before = [fingerprint(t) for t in maybe] if static is None else None
+            if before is not None and any(fp is None for fp in before):
+                before = None  # a tensor subclass: take every argument as written
+            if timed and self.timer is not None:
                 out, elapsed = self.timer.call(launch, args, kwargs, can_repeat=False, rng=None)
-            if before_fp is None:
-                written_ts = maybe
             else:
-                written_ts = [t for t, fp in zip(maybe, before_fp) if not torch.equal(fingerprint(t), fp)]
+                out, elapsed = launch(*args, **kwargs), None
+            if before is None:
+                return out, maybe, elapsed
+            return out, [t for t, fp in zip(maybe, before) if not torch.equal(fingerprint(t), fp)], elapsed
         finally:
             self._bypass = False
+
+    def _commit_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, tensors: dict, written_ts: list,
+                       copies: dict, elapsed: float | None, out: Any, encoded: Any = None) -> Any:
+        """Put a launch that has run on the tape (recording mode)."""
+        eargs, ekwargs, deps = encoded if encoded is not None else self._encode_all(args, kwargs)
         if self._unwritten:  # what the launch read but did not write
             written_ids = {id(t) for t in written_ts}
             for t in tensors.values():
                 vid = self._vid_now(t)
                 if id(t) not in written_ids and vid is not None and vid in self._unwritten:
                     self._hold_unseen(vid, t)
-        written = [(t, False) for t in written_ts]
         before = [self._lookup(t) for t in written_ts]
         for t in written_ts:
             self._before_write(t, copies)
-        self.kernel_launches += 1
-        self._commit(launch, _KERNEL_INFO, args, eargs, ekwargs, deps, written, before, None, elapsed, out)
-        values = self.tape.values
+        self._commit(launch, _KERNEL_INFO, args, eargs, ekwargs, deps, [(t, False) for t in written_ts], before,
+                     None, elapsed, out)
         op = self.tape.ops[-1] if self.tape.ops else None
         if op is not None and op.func is launch:
             for _before, after in op.writes:
-                sid = values[after].sid
-                self._kernel_written[sid] = after
+                self._kernel_written[self.tape.values[after].sid] = after
                 self._unwritten.discard(after)
-            for t in written_ts:  # a launch writes what it writes: treat it as whole (see README)
+            for t in written_ts:  # a launch writes what it writes: taken as whole (see README)
                 if _covers_storage(t):
                     self._unwritten_sids.discard(self._sid(t))
         return out
@@ -1348,6 +1377,10 @@ class Recorder(_Mode):
         for op in tape.ops:
             for _, after in op.writes:
                 self._last_write[values[after].sid] = after
+            if type(op.func) is KernelLaunch:  # invariant 11 from here on
+                for _, after in op.writes:
+                    self._kernel_written[values[after].sid] = after
+                continue
             info = op_info(op.func)
             if info.allocates or info.view_of is not None and any(d in self._unwritten for d in op.deps):
                 # Invariant 10 from here on: what the followed part allocated and did not hold.

@@ -64,3 +64,80 @@ def test_planned_peak_fits_and_is_predicted_on_device(device):
     record = handle.planner.history[0]
     assert record["measured_peak_bytes"] <= limit
     assert abs(record["predicted_peak_bytes"] - record["measured_peak_bytes"]) <= 0.05 * record["measured_peak_bytes"]
+
+
+# Triton kernels on CUDA: real launches (on CPU, tests/test_unseen_writes.py runs the same paths
+# under Triton's interpreter) ----------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _affine_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(y_ptr + offs, x * scale + x * x, mask=mask)
+
+    @triton.jit
+    def _scale_kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
+except ImportError:  # pragma: no cover - the test extras install triton
+    triton = None
+
+
+class _TritonBlock(torch.nn.Module):
+    """A kernel filling ``empty_like`` and one scaling an activation in place, both unseen by
+    the dispatcher on a GPU."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.g = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        h = self.lin(x).contiguous()
+        n = h.numel()
+        out = torch.empty_like(h)
+        _affine_kernel[(triton.cdiv(n, 128),)](h.detach(), out, n, 0.5, BLOCK=128)
+        y = (out * self.g).contiguous()
+        _scale_kernel[(triton.cdiv(n, 128),)](y, n, 0.5, BLOCK=128)
+        return x + y * h
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("mode", ["replay_only", "planned"])
+def test_triton_kernels_on_cuda_replay_exactly(mode):
+    from tapesac.kernels import written_by_analysis
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[_TritonBlock() for _ in range(3)]).cuda()
+
+    def train(net, handle=None, steps=5):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        out = []
+        for s in range(steps):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+            loss = net(x).square().mean()
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in net.parameters()]))
+            opt.step()
+        return out
+
+    expected = train(make())
+    net = make()
+    limit = None if mode == "replay_only" else int(torch.cuda.memory_allocated() + (8 << 20))
+    handle = tapesac.wrap(list(net), memory_limit_bytes=limit)
+    actual = train(net, handle)
+    for (le, ge), (la, ga) in zip(expected, actual):
+        assert torch.equal(le, la) and all(torch.equal(a, b) for a, b in zip(ge, ga))
+    assert all(s["kernel_launches"] in (0, 2) for s in handle.stats().values())
+    x = torch.randn(8, device="cuda")
+    written = written_by_analysis(_scale_kernel, (x, 8, 0.5), {"BLOCK": 128})
+    assert written == frozenset({"x_ptr"}), written  # PyTorch's TTIR analysis ran on this GPU
+    handle.remove()

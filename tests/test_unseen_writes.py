@@ -76,6 +76,8 @@ def test_unseen_writes_give_exact_gradients(kind, mode):
     handle, actual = _run(kind, mode)
     assert_same(expected, actual)
     stats = handle.stats()
+    if mode == "replay_only":  # later forwards follow the verified tape, launches included
+        assert all(s["followed"] for s in stats.values()), stats
     if mode == "planned":
         assert handle.plan is not None and any(b.keep for b in handle.plan.policy.blocks.values())
     if kind in TRITON_BLOCKS:  # launches are recorded steps (a pass-through block records nothing)

@@ -5,8 +5,10 @@ every op is tiny, so what a step costs beyond plain autograd is Python machinery
 by side in one process, alternating, medians over rounds:
 
 * forward, per op dispatched: plain; under a dispatch mode that does nothing (the floor of any
-  dispatcher-level recorder); TapeSAC recording every forward; TapeSAC as it runs by default
-  (forwards follow their verified tape where they can);
+  dispatcher-level recorder); TapeSAC recording every forward; TapeSAC recording every forward
+  as a verification forward (``verifying``: every saved tensor fingerprinted, every rebuilt one
+  checked in backward, what the first forward of each program and profiled and measured steps
+  pay); TapeSAC as it runs by default (forwards follow their verified tape where they can);
 * backward, per op replayed: TapeSAC's backward minus plain backward, over the ops it replayed.
 
 Times are this process's CPU time (``time.process_time``, one thread): on a shared machine wall
@@ -59,6 +61,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--json")
     ap.add_argument("--record-only", action="store_true", help="no following (commits before it)")
+    ap.add_argument("--no-verifying", dest="verifying", action="store_false",
+                    help="no verification forwards (commits before them)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, h0 = build()
@@ -69,10 +73,12 @@ def main() -> None:
     runs = {"plain": model}
     handles = {}
     kinds = ["recording"] if args.record_only else ["recording", "default"]
+    if args.verifying:
+        kinds.insert(1, "verifying")
     for kind in kinds:
         m = copy.deepcopy(model)
-        handles[kind] = tapesac.wrap(list(m.layers))
-        if kind == "recording" and not args.record_only:
+        handles[kind] = tapesac.wrap(list(m.layers), **({"verify_every": 1} if kind == "verifying" else {}))
+        if kind in ("recording", "verifying") and not args.record_only:
             _no_follow(handles[kind])
         runs[kind] = m
 

@@ -152,7 +152,7 @@ class TapeSACRun:
             info(f"TapeSAC: no transformer block{where}: nothing to wrap", speaker)
             return
         if cfg.mode == "replay_only":
-            self.handle = tapesac.wrap(blocks, debug=cfg.debug)
+            self.handle = tapesac.wrap(blocks, debug=cfg.debug, verify_every=cfg.verify_every)
             info(f"TapeSAC: replay-only on {len(blocks)} blocks{where}: nothing a block makes is kept, "
                  "backward recomputes only what it reads", speaker)
             return
@@ -178,8 +178,8 @@ class TapeSACRun:
             policy_meta=meta,
         )
         compiled = compile_options is not None
-        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug, compile=compiled,
-                                   compile_options=compile_options)
+        self.handle = tapesac.wrap(blocks, plan_config=plan, debug=cfg.debug, verify_every=cfg.verify_every,
+                                   compile=compiled, compile_options=compile_options)
         info(f"TapeSAC: planned mode on {len(blocks)} blocks{where}, step-peak limit {fmt_bytes(limit)} "
              f"per rank ({limit_source(cfg, dev, capacity)}); {cfg.warmup_steps} warm-up step(s) "
              "replay-only, then one profiled step, then the plan"

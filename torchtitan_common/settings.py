@@ -77,6 +77,12 @@ class TapeSACSettings:
     debug: bool = False
     """Compare every recomputed value with the forward's and fail on any difference (slow)."""
 
+    verify_every: int = 0
+    """Also make every this-many-th forward of each block a verification forward (its saved
+    tensors fingerprinted, every value replay rebuilds checked: catches a kernel that writes
+    memory the dispatcher cannot see). 0: only each program's first forward and the profiled and
+    measured steps."""
+
     def check(self) -> None:
         """Raise ConfigError naming the first bad field (``<prefix>.<field>``); subclasses call
         this from ``__post_init__``, so a bad value fails when the config is parsed."""
@@ -90,6 +96,8 @@ class TapeSACSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{p}.{name} must be >= 0 and finite, got {value!r}")
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
+            raise ConfigError(f"{p}.verify_every must be an int >= 0, got {self.verify_every!r}")
         check_settings(self, {f: f"{p}.{f}" for f in SHARED_WITH_PLAN_CONFIG} | {"repeats": f"{p}.profile_repeats"})
 
 

@@ -2,13 +2,14 @@
 
 After the all-to-all dispatch, an expert-parallel rank holds the tokens it received grouped by
 source rank; torchtitan regroups them by local expert (each group padded to an alignment) with
-indices from ``generate_permute_indices``, a Triton kernel. That kernel cannot run without a GPU,
-and on a GPU it writes its output outside the dispatcher, where TapeSAC's recorder cannot see
-it: the recorded program would say the indices are the ``full(-1)`` they were allocated as, and
-a replay that rebuilt them would index with -1. :func:`permute_indices` computes the same indices
-with ATen ops of fixed shapes (no host synchronisation), so they are recorded, and replayable,
-like any other value. :func:`install` routes torchtitan's calls to it: on a machine without CUDA
-(the CPU shim), and in any job that runs TapeSAC with expert parallelism (the converter).
+indices from ``generate_permute_indices``, a Triton kernel. That kernel cannot run without a GPU.
+On a GPU it writes its output outside the dispatcher; TapeSAC records the launch as a tape step
+(:mod:`tapesac.kernels`), and it replays exactly under Triton's interpreter
+(``tests/test_permutation.py``), but it has not yet been run under TapeSAC on a GPU.
+:func:`permute_indices` computes the same indices with ATen ops of fixed shapes (no host
+synchronisation), recorded and replayable like any other value. :func:`install` routes
+torchtitan's calls to it: on a machine without CUDA (the CPU shim), and in any job that runs
+TapeSAC with expert parallelism (the converter), until a GPU check has run the real kernel.
 """
 
 from __future__ import annotations
