@@ -110,6 +110,9 @@ class BlockState:
         self._verified: dict[tuple, int] = {}
         """Follow-plan keys -> ``Tape.fast_key`` of the program a verification forward recorded
         there; a recorded forward of another program makes the next one verify again."""
+        self._pending_verdicts: list[tuple[tuple, int, list]] = []
+        """Verification forwards whose backward had not run at the last forward: (key, program,
+        the replayer's ``checks``)."""
         self.keep_only_ops: set[int] = set()
         """Op indices whose replay once gave other bytes than the forward's (replay invariant 13):
         kept, never rebuilt, from then on."""
@@ -296,14 +299,25 @@ class BlockState:
         forward. Decided from what every rank of an SPMD program shares (shapes, step kind, a
         count), so ranks verify the same forwards."""
         self._forwards += 1
+        if self._pending_verdicts:
+            # Decided at the next forward, from what the earlier backwards did (the same on every
+            # rank), not when a replayer happens to be collected.
+            still = []
+            for pending in self._pending_verdicts:
+                k, fast, (unpacked, differed) = pending
+                if unpacked and not differed:
+                    self._verified[k] = fast
+                elif not unpacked and len(still) < _MAX_FOLLOW_PLANS:
+                    still.append(pending)
+            self._pending_verdicts = still
         return (key not in self._verified or self.timer is not None
                 or (self.controller is not None and self.controller.measuring)
                 or (self.verify_every > 0 and self._forwards % self.verify_every == 0))
 
     def _note_verified(self, rec: Recorder, tape: Any, key: tuple, replayer: Replayer) -> None:
         """Remember which program a recorded forward ran at ``key`` (see :meth:`_verifies`): a
-        verification forward's counts once its backward ran without a difference (when its
-        replayer goes, with its graph); a backward that never reached it verified nothing."""
+        verification forward's counts once its backward ran without a difference (looked at
+        from the next forward on); a backward that never reached it verified nothing."""
         if rec.followed:
             return
         fast = tape.fast_key()
@@ -314,7 +328,7 @@ class BlockState:
         if not replayer.fingerprints:  # nothing to rebuild-check: verified as recorded
             self._verified[key] = fast
             return
-        weakref.finalize(replayer, _verdict, weakref.ref(self), key, fast, replayer.checks)
+        self._pending_verdicts.append((key, fast, replayer.checks))
 
     def _replay_differed(self, op: int) -> None:
         """Replay invariant 13: op ``op``'s replay gave other bytes than its forward. Keep its
@@ -324,6 +338,7 @@ class BlockState:
         self._follow.clear()
         self._last_key.clear()
         self._verified.clear()
+        self._pending_verdicts.clear()
         if self.controller is not None:
             self.controller.policy_mismatch(self, f"op {op}'s replay differed from its forward")
 
@@ -476,15 +491,6 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
     Only a guess (a followed forward checks everything it reads), so it may be coarse."""
     return tuple((a.shape, a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
                  for a in (*args, *kwargs.values()))
-
-
-def _verdict(state_ref: weakref.ref, key: tuple, fast: int, checks: list) -> None:
-    """A verification forward's replayer is gone: its program counts as verified at ``key`` if
-    its backward checked what it rebuilt and found no difference (replay invariant 13)."""
-    state = state_ref()
-    unpacked, differed = checks
-    if state is not None and unpacked and not differed:
-        state._verified[key] = fast
 
 
 def _forget_keeps(recording: Any) -> None:

@@ -161,3 +161,17 @@ def test_the_planner_weighs_a_triton_kernels_measured_cost():
             assert launch[0] not in graph.closure(kept), f"block {b}'s plan recomputes the kernel"
     finally:
         handle.remove()
+
+
+def test_the_plan_log_names_what_is_kept_because_unseen(caplog):
+    import logging
+
+    net = model("plain_empty")
+    with caplog.at_level(logging.INFO, logger="tapesac"):
+        handle = tapesac.wrap(net.layers, memory_limit_bytes=1 << 40)
+        try:
+            train(net, 3)
+        finally:
+            handle.remove()
+    lines = [r.getMessage() for r in caplog.records if "TapeSAC plan:" in r.getMessage()]
+    assert any("kept: written outside the dispatcher" in line for line in lines), lines
