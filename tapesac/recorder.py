@@ -477,6 +477,9 @@ class ProgramCheck(_Mode):
         """A pure module call inside the block: its ops are hashed like any others."""
         return fn(*args, **kwargs)
 
+    def hold_outputs(self, out: Any, reason: str) -> None:
+        """A nested FSDP2 unit's outputs: nothing is held in a pass-through block."""
+
     def launch_kernel(self, kernel: Any, run: Any, args: tuple, kwargs: dict) -> Any:
         """A Triton launch (routed here by :mod:`tapesac.kernels`): one step, as on the tape."""
         if self._bypass:
