@@ -789,7 +789,7 @@ class Recorder(_Mode):
             if v.kind == PRODUCED and self.tape.ops[v.op].keep_only is None:
                 del self.held[vid]  # replayable: drop the hold, replay rebuilds this version
                 continue
-            copy = copies[vid] if copies is not None else _copy(self.held[vid])
+            copy = copies[vid] if copies is not None and vid in copies else _copy(self.held[vid])
             new_sid = len(self.tape.storage_nbytes)
             self.tape.storage_nbytes[new_sid] = copy.untyped_storage().nbytes()
             v.kind, v.sid, v.nbytes, v.free = SNAPSHOT, new_sid, self.tape.storage_nbytes[new_sid], False
@@ -975,6 +975,13 @@ class Recorder(_Mode):
             return run(kernel, *args, **kwargs)
         if self._fresh:
             self._settle()
+        self._bypass = True  # what runs here (the launch, copies, fingerprints) is not the block's
+        try:
+            return self._launch(kernel, args, kwargs)
+        finally:
+            self._bypass = False
+
+    def _launch(self, kernel: Any, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
         grid = kwargs.pop("grid")
         kwargs.pop("warmup", None)
@@ -1025,23 +1032,19 @@ class Recorder(_Mode):
 
     def _run_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, maybe: list, static: Any,
                     timed: bool = False) -> tuple[Any, list, float | None]:
-        """Run a launch with the mode out of the way; (its result, the tensors it wrote, its
-        measured time when profiling). Without PyTorch's analysis of the kernel, the tensors it
-        wrote are those whose bytes it changed."""
-        self._bypass = True
-        try:
-            before = [fingerprint(t) for t in maybe] if static is None else None
-            if before is not None and any(fp is None for fp in before):
-                before = None  # a tensor subclass: take every argument as written
-            if timed and self.timer is not None:
-                out, elapsed = self.timer.call(launch, args, kwargs, can_repeat=False, rng=None)
-            else:
-                out, elapsed = launch(*args, **kwargs), None
-            if before is None:
-                return out, maybe, elapsed
-            return out, [t for t, fp in zip(maybe, before) if not torch.equal(fingerprint(t), fp)], elapsed
-        finally:
-            self._bypass = False
+        """Run a launch (the mode bypassed); (its result, the tensors it wrote, its measured time
+        when profiling). Without PyTorch's analysis of the kernel, the tensors it wrote are those
+        whose bytes it changed."""
+        before = [fingerprint(t) for t in maybe] if static is None else None
+        if before is not None and any(fp is None for fp in before):
+            before = None  # a tensor subclass: take every argument as written
+        if timed and self.timer is not None:
+            out, elapsed = self.timer.call(launch, args, kwargs, can_repeat=False, rng=None)
+        else:
+            out, elapsed = launch(*args, **kwargs), None
+        if before is None:
+            return out, maybe, elapsed
+        return out, [t for t, fp in zip(maybe, before) if not torch.equal(fingerprint(t), fp)], elapsed
 
     def _commit_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, tensors: dict, written_ts: list,
                        copies: dict, elapsed: float | None, out: Any, encoded: Any = None) -> Any:
