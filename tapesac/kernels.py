@@ -49,6 +49,8 @@ def fingerprint(t: Tensor) -> Tensor | None:
         t = getattr(t, "_local_tensor", None)
         if t is None or type(t) is not Tensor:
             return None
+    if t.layout != torch.strided or t.is_quantized:  # no plain bytes to read
+        return None
     t = t.detach()
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     if t.numel() == 0:
@@ -120,10 +122,17 @@ class KernelLaunch:
             return True
         if getattr(a, "__code__", None) is None or a.__code__ is not getattr(b, "__code__", None):
             return False
-        cells = lambda f: tuple(c.cell_contents for c in (f.__closure__ or ()))  # noqa: E731
         try:
-            return cells(a) == cells(b) and a.__defaults__ == b.__defaults__
-        except (ValueError, RuntimeError):  # an empty cell, or values that do not compare
+            pairs = list(zip(a.__closure__ or (), b.__closure__ or ()))
+            if len(pairs) != len(a.__closure__ or ()) or a.__defaults__ != b.__defaults__:
+                return False
+            for ca, cb in pairs:
+                x, y = ca.cell_contents, cb.cell_contents
+                same = x is y if isinstance(x, Tensor) or isinstance(y, Tensor) else type(x) is type(y) and x == y
+                if not same:
+                    return False
+            return True
+        except Exception:  # noqa: BLE001 - an empty cell, or values that do not compare: not the same
             return False
 
     def __eq__(self, other: object) -> bool:
@@ -184,20 +193,29 @@ def written_by_analysis(kernel: Any, args: tuple, kwargs: dict) -> frozenset[str
     names, consts = _signature_of(kernel)
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    key = (id(kernel), tuple(sorted((n, v) for n, v in bound.items() if n in consts)))
+    found = None
+    try:
+        # Through autotuners (their first config: the analysis reads which pointers are
+        # stored to, not the tuning) and heuristics (the values they add), to the JIT function.
+        inner = kernel
+        while type(inner).__name__ in ("Autotuner", "Heuristics"):
+            if type(inner).__name__ == "Heuristics":
+                bound.update({name: rule(dict(bound)) for name, rule in inner.values.items()})
+            elif inner.configs:
+                bound = {**bound, **inner.configs[0].kwargs}
+            inner = inner.fn
+    except Exception:  # noqa: BLE001 - a heuristic that needs more than the arguments
+        return None
+    key = (id(kernel), tuple(sorted((n, v) for n, v in bound.items() if n in consts)),
+           tuple(sorted(n for n, v in bound.items() if v is None)))
     if key in _static_cache:
         return _static_cache[key]
-    found = None
     try:
         import triton
 
         triton.runtime.driver.active.get_current_target()  # raises without a driver
         from torch._higher_order_ops import triton_kernel_wrap as wrap
 
-        inner = kernel
-        while type(inner).__name__ == "Heuristics":  # what Heuristics.run adds, then its kernel
-            bound.update({name: rule(dict(bound)) for name, rule in inner.values.items()})
-            inner = inner.fn
         hop_log = logging.getLogger(wrap.__name__)
         level = hop_log.level
         hop_log.setLevel(logging.ERROR)  # it warns and assumes everything is written on failure
@@ -243,6 +261,8 @@ def install(current_recorder: Callable[[], Any]) -> None:
             pending.extend(cls.__subclasses__())
             run = cls.__dict__.get("run")
             if run is None or getattr(run, "__tapesac_original__", None) is not None:
+                continue
+            if not cls.__module__.startswith("triton."):  # e.g. inductor's launchers: another protocol
                 continue
             if cls is KernelInterface:  # abstract: its subclasses define the real one
                 continue

@@ -132,11 +132,14 @@ class Saved:
     """What autograd stores instead of a block-produced tensor: the value, and what autograd's
     version check needs (invariant 7)."""
 
-    __slots__ = ("link", "vid", "family", "version", "final", "__weakref__")
+    __slots__ = ("link", "vid", "family", "version", "final", "ref", "__weakref__")
 
     def __init__(self, link: ReplayLink, vid: int, t: Tensor) -> None:
         self.link = link
         self.vid = vid
+        self.ref: Any = weakref.ref(t)
+        """The saved tensor, weakly, while the forward runs: a Triton launch that writes its
+        storage later re-points the handle to the written bytes (invariant 11)."""
         base = t._base
         self.family: Any = weakref.ref(t if base is None else base)
         """During the forward, a weak reference to the saved tensor's view family (views share
@@ -151,6 +154,7 @@ class Saved:
 
         ``last_versions``: sid -> the version of the last value recorded in that storage.
         """
+        self.ref = None
         family = self.family()
         if family is not None:
             self.family = version_carrier(family)
@@ -199,6 +203,12 @@ def unpack_saved(obj: Any) -> Any:
     """The unpack hook: check the version as autograd would, then rebuild or fetch the value."""
     kind = type(obj)
     if kind is Saved:
+        if obj.vid < 0:
+            raise ReplayError(
+                f"TapeSAC block {obj.link.block}: a Triton kernel wrote in place the storage of a tensor "
+                "autograd had saved, after saving it, and that tensor was gone by then, so TapeSAC cannot "
+                "rebuild the bytes autograd reads. Keep the tensor alive until the kernel has run, or "
+                "register the kernel as a torch.library custom op with mutates_args")
         replayer = obj.link.replayer
         if replayer is None:
             raise ReplayError(
@@ -697,7 +707,9 @@ class Recorder(_Mode):
         op.outs = [vid]
         op.n_returned = 1
         op.time_s = 0.0
-        if (idx, 0) in self._keep:
+        if idx in self._keep_only_ops:  # its replay once differed (replay invariant 13)
+            op.keep_only = UNSEEN
+        if (idx, 0) in self._keep or op.keep_only is not None:
             self._bypass, bypass = True, self._bypass
             try:
                 self._hold(vid, t)
@@ -836,7 +848,8 @@ class Recorder(_Mode):
                 written: Any, before: list, rng: Any, elapsed: float | None, out: Any) -> None:
         """Put an op that has run on the tape: its values, and what is held of them."""
         flat = flatten_outputs(out)
-        if not written and not any(isinstance(o, Tensor) for o in flat):
+        # A launch stays on the tape even when it wrote nothing: ProgramCheck hashes every launch.
+        if not written and type(func) is not KernelLaunch and not any(isinstance(o, Tensor) for o in flat):
             return
         tape = self.tape
         idx = len(tape.ops)
@@ -913,6 +926,8 @@ class Recorder(_Mode):
         """After an op: which of its values are unwritten, and which storages it wrote whole."""
         values = self.tape.values
         written = {after for _, after in op.writes}
+        for before, _after in op.writes:  # superseded: a later read is of the new version
+            self._unwritten.discard(before)
         for vid, t in zip(op.outs, tensors):
             if vid is None:
                 continue
@@ -929,6 +944,9 @@ class Recorder(_Mode):
         cannot make bytes that no recorded op wrote. Other outputs of that op still alive are
         held with it (it is keep-only as a whole)."""
         tape = self.tape
+        root, root_t = self._unwritten_root(vid)
+        if root_t is not None and root != vid:
+            vid, t = root, root_t  # hold the allocation itself: the views of it replay from it
         op = tape.ops[tape.values[vid].op]
         if op.keep_only is None:
             op.keep_only = UNSEEN
@@ -948,6 +966,11 @@ class Recorder(_Mode):
                     self._hold(o, t_o)
         finally:
             self._bypass = bypass
+        if op_info(op.func).allocates:  # the whole storage is held now: its views replay from it
+            values = tape.values
+            sid = values[vid].sid
+            self._unwritten_sids.discard(sid)
+            self._unwritten = {u for u in self._unwritten if values[u].sid != sid}
 
     def _as_is(self, t: Tensor) -> "AsIs":
         """A saved tensor left as it is; on verification forwards also remembered (weakly), since
@@ -956,6 +979,30 @@ class Recorder(_Mode):
         if self.verify:
             self._kept_as_is.append(weakref.ref(handle))
         return handle
+
+    def _unwritten_root(self, vid: int) -> tuple[int, Tensor | None]:
+        """The allocation an unwritten view was taken from (through view ops), and its tensor if
+        it is still alive; ``(vid, None)`` when there is none to hold instead."""
+        tape = self.tape
+        values, ops = tape.values, tape.ops
+        root = vid
+        while True:
+            v = values[root]
+            if v.op < 0:
+                break
+            op = ops[v.op]
+            info = op_info(op.func)
+            if info.allocates or info.view_of is None or not op.deps or op.deps[0] not in self._unwritten:
+                break
+            root = op.deps[0]
+        if root == vid or not op_info(ops[values[root].op].func).allocates:
+            return vid, None
+        for r, bound in self._ids.values():
+            if bound == root:
+                t = r()
+                if t is not None and t._version == values[root].version:
+                    return root, t
+        return vid, None
 
     def _fingerprint(self, vid: int, t: Tensor) -> None:
         """Verification forwards: what replay must rebuild of a saved value, bit for bit (replay
@@ -971,7 +1018,9 @@ class Recorder(_Mode):
         run it and put it on the tape as a :class:`~tapesac.kernels.KernelLaunch` step whose
         values are the arguments it wrote (invariants 10 and 11); following, check it against
         the tape's next step instead."""
-        if self._bypass or self._seg_run is not None:  # inside another launch, or a pure call
+        if self._bypass or self._seg_run is not None or "grid" not in kwargs:
+            # Inside another launch or a pure call; or a launcher that is not Triton's own
+            # (invariants 10 and 13 cover what it writes).
             return run(kernel, *args, **kwargs)
         if self._fresh:
             self._settle()
@@ -1020,6 +1069,9 @@ class Recorder(_Mode):
                 self._leave_follow()  # it wrote other arguments than when it was recorded
                 return self._commit_launch(launch, args, kwargs, tensors, written_ts, copies, None, out)
         eargs_deps = self._encode_all(args, kwargs)
+        # What the written arguments were before the launch (its own ATen ops, an autotuner's
+        # pre-hook zeroing an output, may move their version counters).
+        before = {id(t): self._lookup(t) for t in maybe}
         # Held values in the storages the launch may write, as they are before it (invariant 3).
         copies = {}
         for t in maybe:
@@ -1028,7 +1080,8 @@ class Recorder(_Mode):
                 if hv not in copies and not (v.kind == PRODUCED and self.tape.ops[v.op].keep_only is None):
                     copies[hv] = _copy(self.held[hv])
         out, written_ts, elapsed = self._run_launch(launch, args, kwargs, maybe, static, timed=True)
-        return self._commit_launch(launch, args, kwargs, tensors, written_ts, copies, elapsed, out, eargs_deps)
+        return self._commit_launch(launch, args, kwargs, tensors, written_ts, copies, elapsed, out, eargs_deps,
+                                   before)
 
     def _run_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, maybe: list, static: Any,
                     timed: bool = False) -> tuple[Any, list, float | None]:
@@ -1047,7 +1100,8 @@ class Recorder(_Mode):
         return out, [t for t, fp in zip(maybe, before) if not torch.equal(fingerprint(t), fp)], elapsed
 
     def _commit_launch(self, launch: KernelLaunch, args: tuple, kwargs: dict, tensors: dict, written_ts: list,
-                       copies: dict, elapsed: float | None, out: Any, encoded: Any = None) -> Any:
+                       copies: dict, elapsed: float | None, out: Any, encoded: Any = None,
+                       looked_up: dict | None = None) -> Any:
         """Put a launch that has run on the tape (recording mode)."""
         eargs, ekwargs, deps = encoded if encoded is not None else self._encode_all(args, kwargs)
         if self._unwritten:  # what the launch read but did not write
@@ -1056,20 +1110,50 @@ class Recorder(_Mode):
                 vid = self._vid_now(t)
                 if id(t) not in written_ids and vid is not None and vid in self._unwritten:
                     self._hold_unseen(vid, t)
-        before = [self._lookup(t) for t in written_ts]
+        before = [looked_up[id(t)] if looked_up is not None and id(t) in looked_up else self._lookup(t)
+                  for t in written_ts]
         for t in written_ts:
             self._before_write(t, copies)
         self._commit(launch, _KERNEL_INFO, args, eargs, ekwargs, deps, [(t, False) for t in written_ts], before,
                      None, elapsed, out)
         op = self.tape.ops[-1] if self.tape.ops else None
         if op is not None and op.func is launch:
-            for _before, after in op.writes:
+            for b, after in op.writes:
                 self._kernel_written[self.tape.values[after].sid] = after
                 self._unwritten.discard(after)
+                self._unwritten.discard(b)
             for t in written_ts:  # a launch writes what it writes: taken as whole (see README)
                 if _covers_storage(t):
                     self._unwritten_sids.discard(self._sid(t))
+            if op.writes and self._saved:
+                self._repoint_saved(op)
         return out
+
+    def _repoint_saved(self, op: TapeOp) -> None:
+        """Invariant 11: autograd reads a saved tensor's storage as it is in backward, and a
+        launch moves no version counter, so a tensor saved before a launch wrote its storage is
+        read with the launch's bytes. Point its handle at a value of the written storage with the
+        saved tensor's view (it replays from the launch's output)."""
+        values = self.tape.values
+        written = {values[after].sid: after for _, after in op.writes}
+        afters = set(written.values())
+        for h in self._saved:
+            v = values[h.vid]
+            if v.sid not in written or h.vid in afters:
+                continue
+            t = h.ref() if h.ref is not None else None
+            if t is None:
+                v.reads -= 1
+                h.vid = -1  # the saved view is gone: its unpack explains (unpack_saved)
+                continue
+            src = written[v.sid]
+            new = self._step(storage_alias, (Ref(src), t.dtype, tuple(t.shape), tuple(t.stride()),
+                                             t.storage_offset()), src, t)
+            v.reads -= 1
+            values[new].reads += 1
+            h.vid = new
+            if self.verify:
+                self._fingerprint(new, t)
 
     # Follow mode ----------------------------------------------------------------------------
 
@@ -1677,7 +1761,22 @@ class Recorder(_Mode):
             last_versions, wrapper_versions = plan.last_versions, plan.wrapper_versions
         else:
             last_versions, wrapper_versions = self.tape.last_versions(), self.tape.last_versions(wrappers=True)
+        if self.fingerprints:
+            # Verification: what autograd will read is the saved tensors' bytes as the forward
+            # leaves them; a write after the save that no op made (numpy, a kernel) shows here.
+            done: set[int] = set()
+            with torch._C._DisableTorchDispatch():
+                for handle in self._saved:
+                    t = handle.ref() if handle.ref is not None else None
+                    if t is not None and handle.vid in self.fingerprints and handle.vid not in done:
+                        done.add(handle.vid)
+                        fp = fingerprint(t)
+                        if fp is not None:
+                            self.fingerprints[handle.vid] = fp
         for handle in self._saved:
+            if handle.vid < 0:  # re-pointing found its view gone (invariant 11)
+                handle.ref = None
+                continue
             handle.settle(self.tape, wrapper_versions if values[handle.vid].wrapper else last_versions)
         handles = [weakref.ref(h) for h in self._saved] + self._kept_as_is if self.fingerprints else []
         self._saved = []

@@ -215,7 +215,7 @@ class Replayer:
         """The graph task of the current pass (invariant 9); None before the first unpack."""
         self.on_unpack = None
         """Memory tracing: called with the value's id at the start of every unpack."""
-        self.fingerprints = recording.fingerprints
+        self.fingerprints = _comparable(tape, recording.fingerprints, held, self.device)
         """Verification forwards: vid -> fingerprint of what autograd saved (invariant 13)."""
         self.handles = recording.handles
         """Weak references to the forward's saved handles (verification forwards only)."""
@@ -349,8 +349,9 @@ class Replayer:
         differ = {vid}
         originals = set(self.pinned) | set(self.kept)
         for u in sorted(self.fingerprints):
-            if u == vid or u in originals:
-                continue
+            if u == vid or u in originals or any(
+                    op_info(tape.ops[i].func).collective for i in tape.producer_closure([u], originals)):
+                continue  # a collective would run on this rank alone
             try:
                 other = self._available(u)
                 if other is None:
@@ -375,7 +376,9 @@ class Replayer:
             "could not see (a Triton or CUDA-extension kernel, numpy, ctypes). Register that kernel "
             "as a torch.library custom op (or launch it as a Triton kernel, which TapeSAC records), "
             "or let TapeSAC keep the value: from the block's next forward on, those outputs are "
-            "kept, never rebuilt, so later steps are exact.")
+            "kept, never rebuilt, so later steps are exact. (A kernel whose results differ from run "
+            "to run, such as one with atomic adds, differs here too: make it deterministic, or keep "
+            "its outputs.)")
 
     def _available(self, vid: int) -> Tensor | None:
         """The cached value, if it is still what the forward made (invariant 11)."""
@@ -566,6 +569,19 @@ class Replayer:
                 if ovid != vid and o is not t and _storage_ptr(o) == ptr:
                     return True
         return False
+
+
+def _comparable(tape, fingerprints: dict, held: dict, device: torch.device) -> dict:
+    """The fingerprints replay can be held to (invariant 13): on a GPU, unless deterministic
+    algorithms are on, not those of values whose rebuild runs an op tagged
+    ``nondeterministic_bitwise`` (``index_add_``, ``scatter_add_`` accumulate in another order
+    each run): a difference there is not a write TapeSAC missed."""
+    if not fingerprints or device.type == "cpu" or torch.are_deterministic_algorithms_enabled():
+        return fingerprints
+    tag = torch.Tag.nondeterministic_bitwise
+    kept = set(held)
+    return {vid: fp for vid, fp in fingerprints.items()
+            if not any(tag in getattr(tape.ops[i].func, "tags", ()) for i in tape.producer_closure([vid], kept))}
 
 
 def _swap(args: list, kwargs: dict, old: Tensor, new: Tensor) -> None:

@@ -16,10 +16,10 @@ from tapesac.errors import ReplayError
 from tapesac.tape import UNSEEN
 
 from . import unseen
-from .unseen import BLOCKS, TRITON_BLOCKS, model, train
+from .unseen import BLOCKS, LOUD_BLOCKS, TRITON_BLOCKS, model, train
 
 STEPS = 5
-EXACT = sorted(set(BLOCKS) - {"inplace_scale"})
+EXACT = sorted(set(BLOCKS) - LOUD_BLOCKS)
 
 
 def _needs(kind: str) -> None:
@@ -41,8 +41,9 @@ def assert_same(expected, actual) -> None:
             assert torch.equal(ge[n], ga[n]), f"step {step}: grad of {n} differs by up to {diff}"
 
 
-def _limit(kind: str) -> int:
-    """A limit halfway between the smallest and the largest useful predicted peak."""
+def _limit(kind: str, flat_ok: bool = False) -> int:
+    """A limit halfway between the smallest and the largest useful predicted peak (``flat_ok``:
+    or the one peak there is, for a block whose only saved value ends up kept)."""
     net = model(kind)
     handle = tapesac.wrap(net.layers, memory_limit_bytes=1 << 40)
     try:
@@ -52,7 +53,7 @@ def _limit(kind: str) -> int:
         lo, hi = plan.smallest_peak_bytes, plan.largest_useful_peak_bytes
     finally:
         handle.remove()
-    assert hi > lo, "nothing to choose: the test block keeps nothing worth choosing"
+    assert hi > lo or flat_ok, "nothing to choose: the test block keeps nothing worth choosing"
     return int(lo + 0.5 * (hi - lo))
 
 
@@ -61,7 +62,7 @@ def _run(kind: str, mode: str, steps: int = STEPS, skip_errors: bool = False):
     if mode == "replay_only":
         handle = tapesac.wrap(net.layers)
     else:
-        handle = tapesac.wrap(net.layers, memory_limit_bytes=_limit(kind))
+        handle = tapesac.wrap(net.layers, memory_limit_bytes=_limit(kind, flat_ok=kind in LOUD_BLOCKS))
     try:
         return handle, train(net, steps, skip_errors=skip_errors)
     finally:
@@ -76,7 +77,10 @@ def test_unseen_writes_give_exact_gradients(kind, mode):
     handle, actual = _run(kind, mode)
     assert_same(expected, actual)
     stats = handle.stats()
-    if mode == "replay_only":  # later forwards follow the verified tape, launches included
+    # Later forwards follow the verified tape, launches included. Recorded every forward: a held
+    # buffer written later in the block (it needs a snapshot), a saved tensor a launch rewrote
+    # (its handle reads the storage through a step of the recorder's own).
+    if mode == "replay_only" and kind not in ("dead_sibling_view", "triton_writes_saved"):
         assert all(s["followed"] for s in stats.values()), stats
     if mode == "planned":
         assert handle.plan is not None and any(b.keep for b in handle.plan.policy.blocks.values())
@@ -98,20 +102,24 @@ def test_values_no_recorded_op_wrote_are_kept_not_rebuilt(kind):
 
 
 @pytest.mark.parametrize("mode", ["replay_only", "planned"])
-def test_an_unseen_inplace_update_fails_loudly_once_then_is_exact(mode):
-    handle, actual = _run("inplace_scale", mode, skip_errors=True)
+@pytest.mark.parametrize("kind", sorted(LOUD_BLOCKS))
+def test_an_unseen_inplace_update_fails_loudly_once_then_is_exact(kind, mode):
+    handle, actual = _run(kind, mode, skip_errors=True)
     failed = frozenset(i for i, r in enumerate(actual) if isinstance(r, Exception))
     assert failed, "an unseen in-place update of a replayed value went unnoticed"
     for i in failed:
         err = actual[i]
         assert isinstance(err, ReplayError), repr(err)
+        assert "invariant 9" not in str(err)
         msg = str(err)
-        assert "TapeSAC block" in msg and "addmm" in msg and "torch.library custom op" in msg
+        assert "TapeSAC block" in msg and "torch.library custom op" in msg
+        if kind == "inplace_scale":
+            assert "addmm" in msg  # the view's producer is named
     # Loud once per block that replays it (planned mode may profile it once more), then exact.
     assert max(failed) < STEPS - 2
-    expected = train(model("inplace_scale"), STEPS, skip_steps=failed)
+    expected = train(model(kind), STEPS, skip_steps=failed)
     assert_same(expected, actual)
-    assert any(s["unseen_bytes"] > 0 for s in handle.stats().values())
+    assert any(b.keep_only_ops for b in handle.blocks), "the producer that differed is kept from then on"
 
 
 def test_triton_launch_is_a_tape_step_with_its_constexprs_and_written_outputs():

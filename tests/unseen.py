@@ -106,6 +106,55 @@ class ScaleInPlaceBlock(nn.Module):
         return x + (h * self.g).tanh()
 
 
+class ScaleAfterSaveBlock(nn.Module):
+    """The block's output, which autograd has saved (tanh saves its output), scaled in place
+    afterwards by an opaque kernel: plain autograd reads the scaled bytes in backward."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.lin(x) + x)
+        host(y)[...] *= 0.5
+        return y
+
+
+class RewrittenAliasBlock(nn.Module):
+    """A recorded write through one alias, then an unseen one, then a read through another
+    alias (a recorder step of its own, not an ATen op, rebuilds that read)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = self.lin(x) * 1.0
+        v = g.view(-1)
+        g.detach().add_(1.0)
+        host(g)[...] *= 1.5
+        return x + (self.lin.weight.sum() * v).view(x.shape)
+
+
+class DeadSiblingBlock(nn.Module):
+    """Views of an ``empty`` buffer, one of them dropped before another is read, the dropped
+    one's view overwritten whole by a recorded op and saved."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        buf = torch.empty(2, *h.shape)
+        a, b = buf.unbind(0)
+        c = b.view(-1)
+        del b
+        _ = a.clone()
+        c.copy_(h.detach().reshape(-1) * 2)
+        return x + h * c.view(h.shape)
+
+
 # Triton (interpreter) --------------------------------------------------------------------------------
 
 
@@ -213,6 +262,21 @@ class TritonOutsideBlock(nn.Module):
         return x + y * h
 
 
+class TritonWritesSavedBlock(nn.Module):
+    """A Triton kernel scaling, in place, an activation autograd already saved (tanh's output):
+    no version counter moves, so plain autograd reads the scaled bytes."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.lin(x))
+        n = a.numel()
+        scale_inplace_kernel[(triton.cdiv(n, 64),)](a.detach(), n, 0.5, BLOCK=64)
+        return x + a * 2
+
+
 class TritonFunctionBlock(nn.Module):
     """A Triton kernel inside an autograd Function."""
 
@@ -314,12 +378,18 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "plain_empty": EmptyBlock,
     "strided_data_ptr_view": StridedBlock,
     "inplace_scale": ScaleInPlaceBlock,
+    "scale_after_save": ScaleAfterSaveBlock,
+    "rewritten_alias": RewrittenAliasBlock,
+    "dead_sibling_view": DeadSiblingBlock,
+    "triton_writes_saved": TritonWritesSavedBlock,
     "triton_outside_function": TritonOutsideBlock,
     "triton_in_function": TritonFunctionBlock,
     "deltanet_numpy": lambda: DeltaNetLikeBlock(),
     "deltanet_triton": lambda: DeltaNetLikeBlock(use_triton=True),
 }
-TRITON_BLOCKS = {"triton_outside_function", "triton_in_function", "deltanet_triton"}
+TRITON_BLOCKS = {"triton_outside_function", "triton_in_function", "deltanet_triton", "triton_writes_saved"}
+LOUD_BLOCKS = {"inplace_scale", "scale_after_save", "rewritten_alias"}
+"""Unseen writes into tensors that already exist: the first replay of each block fails loudly."""
 
 
 def model(kind: str, layers: int = 2) -> Stack:
