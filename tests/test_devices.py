@@ -69,24 +69,10 @@ def test_planned_peak_fits_and_is_predicted_on_device(device):
 # Triton kernels on CUDA: real launches (on CPU, tests/test_unseen_writes.py runs the same paths
 # under Triton's interpreter) ----------------------------------------------------------------------
 
-try:
-    import triton
-    import triton.language as tl
+from .unseen import elementwise_kernels, triton  # noqa: E402
 
-    @triton.jit
-    def _affine_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask)
-        tl.store(y_ptr + offs, x * scale + x * x, mask=mask)
-
-    @triton.jit
-    def _scale_kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
-except ImportError:  # pragma: no cover - the test extras install triton
-    triton = None
+if triton is not None:
+    _affine_kernel, _scale_kernel = elementwise_kernels()  # compiled for the GPU (no interpreter)
 
 
 class _TritonBlock(torch.nn.Module):

@@ -178,21 +178,29 @@ try:
 except ImportError:  # pragma: no cover - the test extras install triton
     triton = None
 
+def elementwise_kernels():
+    """``(affine, scale_inplace)``: ``y = x * scale + x * x`` into a buffer, and ``x *= scale``
+    in place, as Triton kernels of the mode in force (interpreter or GPU) when called."""
+
+    @triton.jit
+    def affine_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(y_ptr + offs, x * scale + x * x, mask=mask)
+
+    @triton.jit
+    def scale_inplace_kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
+
+    return affine_kernel, scale_inplace_kernel
+
+
 if triton is not None:
     with interpreted():
-
-        @triton.jit
-        def affine_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            x = tl.load(x_ptr + offs, mask=mask)
-            tl.store(y_ptr + offs, x * scale + x * x, mask=mask)
-
-        @triton.jit
-        def scale_inplace_kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
+        affine_kernel, scale_inplace_kernel = elementwise_kernels()
 
         @triton.jit
         def split_kernel(x_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr):
