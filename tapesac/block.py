@@ -318,9 +318,9 @@ class BlockState:
         """Remember which program a recorded forward ran at ``key`` (see :meth:`_verifies`): a
         verification forward's counts once its backward ran without a difference (looked at
         from the next forward on); a backward that never reached it verified nothing."""
-        if rec.followed:
+        if rec.followed or not rec.verify and key not in self._verified:
             return
-        fast = tape.fast_key()
+        fast = tape.fast_key()  # computed once per tape (the policy check asks for it too)
         if not rec.verify:
             if self._verified.get(key) != fast:
                 self._verified.pop(key, None)

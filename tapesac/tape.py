@@ -132,6 +132,8 @@ class Tape:
         """sid -> bytes of that storage."""
         self.external_sids: set[int] = set()
         """Storages that belong to externals (parameters, inputs): never counted as kept bytes."""
+        self._fast_key: int | None = None
+        """:meth:`fast_key`, once asked for (a tape is asked only after its forward returned)."""
 
     # Construction -------------------------------------------------------------------------
 
@@ -205,8 +207,10 @@ class Tape:
         device indices and group names as they are (constant within a process): stricter than
         the signature, never looser. Cheap (built-in hashing of a flat list, no strings), so a
         block can check every step that its tape is still the one whose signature was verified;
-        not stable across processes.
+        not stable across processes. Computed once per tape.
         """
+        if self._fast_key is not None:
+            return self._fast_key
         values = self.values
         key: list = []
         push = key.append
@@ -223,7 +227,8 @@ class Tape:
                 push(o)
                 push(None if o is None else values[o].dtype)
         key.extend([(v.vid, v.kind, v.shape, v.dtype) for v in values if v.kind != PRODUCED])
-        return hash(tuple(key))
+        self._fast_key = hash(tuple(key))
+        return self._fast_key
 
     def signature(self) -> str:
         """A stable hash of the program the block ran: which ops ran on what, and on which inputs.

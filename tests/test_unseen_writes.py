@@ -183,3 +183,13 @@ def test_the_plan_log_names_what_is_kept_because_unseen(caplog):
             handle.remove()
     lines = [r.getMessage() for r in caplog.records if "TapeSAC plan:" in r.getMessage()]
     assert any("kept: written outside the dispatcher" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2"])
+def test_a_bad_verify_every_is_refused_before_any_block_is_wrapped(bad):
+    from tapesac.errors import WrapError
+
+    net = model("plain_empty")
+    with pytest.raises(WrapError, match="verify_every"):
+        tapesac.wrap(net.layers, verify_every=bad)
+    assert all("forward" not in layer.__dict__ for layer in net.layers)
