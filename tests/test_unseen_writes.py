@@ -193,3 +193,12 @@ def test_a_bad_verify_every_is_refused_before_any_block_is_wrapped(bad):
     with pytest.raises(WrapError, match="verify_every"):
         tapesac.wrap(net.layers, verify_every=bad)
     assert all("forward" not in layer.__dict__ for layer in net.layers)
+
+
+def test_a_bad_verify_every_in_the_torchtitan_section_is_a_config_error():
+    config = pytest.importorskip("torchtitan_ext.config")
+    from tapesac.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tapesac.verify_every must be an int >= 0"):
+        config.TapeSAC(verify_every=-1)
+    assert config.TapeSAC(verify_every=3).verify_every == 3
