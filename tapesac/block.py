@@ -18,8 +18,11 @@ import torch
 from torch import nn
 
 from .errors import PolicyError, TapeSACError
-from .recorder import FollowPlan, ProgramCheck, Recorder, unpack_saved
-from .replay import ReplayProgram, Replayer, rebuildable
+from .follow import FollowPlan
+from .handoff import unpack_saved
+from .modes import ProgramCheck
+from .recorder import Recorder
+from .replay import ReplayProgram, Replayer
 from .segments import PURE_MODULES
 
 _local = threading.local()
@@ -63,7 +66,7 @@ class BlockState:
         blocks check it now and then); None until known."""
         self._follow: dict[tuple, FollowPlan] = {}
         """(input shapes, keep set, expected signature) -> the verified forward later forwards
-        follow instead of recording (:class:`~tapesac.recorder.FollowPlan`). Kept across policy
+        follow instead of recording (:class:`~tapesac.follow.FollowPlan`). Kept across policy
         changes: planned mode switches a block between its plan and replay-only as steps come."""
         self._last_key: dict[tuple, int] = {}
         """The same keys -> ``Tape.fast_key`` of the last recorded forward: a program recorded
@@ -104,7 +107,7 @@ class BlockState:
         its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
         self.verify_every = 0
         """Also verify every this-many-th forward (0: only the forwards listed in
-        :meth:`_verifies`); replay invariant 13."""
+        :meth:`_verifies`); replay invariant R6."""
         self._forwards = 0
         """Forwards with grad so far (the sampling clock of ``verify_every``)."""
         self._verified: dict[tuple, int] = {}
@@ -114,7 +117,7 @@ class BlockState:
         """Verification forwards whose backward had not run at the last forward: (key, program,
         the replayer's ``checks``)."""
         self.keep_only_ops: set[int] = set()
-        """Op indices whose replay once gave other bytes than the forward's (replay invariant 13):
+        """Op indices whose replay once gave other bytes than the forward's (replay invariant R6):
         kept, never rebuilt, from then on."""
 
     def _mismatch(self, what: str) -> None:
@@ -293,7 +296,7 @@ class BlockState:
         return out
 
     def _verifies(self, key: tuple) -> bool:
-        """Whether this forward is a verification forward (replay invariant 13): the first of a
+        """Whether this forward is a verification forward (replay invariant R6): the first of a
         new input shape or policy, the one after a recorded forward whose program differed from
         the last verified one there, profiled and measured steps, and every ``verify_every``-th
         forward. Decided from what every rank of an SPMD program shares (shapes, step kind, a
@@ -496,5 +499,5 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
 def _forget_keeps(recording: Any) -> None:
     """Drop the holds a keep set added, before the replayer is built: what is left is exactly
     what replay-only holds (externals, snapshots, outputs of keep-only ops, free views)."""
-    for vid in [v for v in recording.held if rebuildable(recording.tape, v)]:
+    for vid in [v for v in recording.held if recording.tape.rebuildable(v)]:
         del recording.held[vid]

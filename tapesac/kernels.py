@@ -11,7 +11,7 @@ nothing after it. Two things here let the recorder keep its promises anyway:
   arguments it writes. Replay relaunches it on the rebuilt arguments, profiling times it like an
   ATen op. Launches anywhere else run untouched (one attribute read per launch).
 * :func:`fingerprint` summarises a tensor's bytes in one 64-bit number, so that verification
-  forwards can compare what replay rebuilds with what the forward saved (replay invariant 13).
+  forwards can compare what replay rebuilds with what the forward saved (replay invariant R6).
 """
 
 from __future__ import annotations

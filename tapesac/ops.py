@@ -231,3 +231,25 @@ def generator_for(func: Any, args: tuple, kwargs: dict, device: torch.device | N
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return None
+
+
+def device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device an op runs on: its ``device`` argument, else its first tensor's."""
+    dev = kwargs.get("device")
+    if dev is not None:
+        return torch.device(dev)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+def base_version(args: tuple, pos: int, default: torch.Tensor) -> int:
+    """The version of a view op's input at ``pos`` (a fresh view's own counter still reads 0)."""
+    base = args[pos] if pos < len(args) else None
+    return base._version if isinstance(base, torch.Tensor) else default._version
+
+
+def clone_as_is(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (a held value's snapshot before a write)."""
+    return t.clone(memory_format=torch.preserve_format)

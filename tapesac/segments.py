@@ -1,6 +1,6 @@
 """Pure module calls that a followed forward runs without the dispatch mode.
 
-A followed forward (:class:`~tapesac.recorder.FollowPlan`) still pays the recorder's dispatch
+A followed forward (:class:`~tapesac.follow.FollowPlan`) still pays the recorder's dispatch
 mode on every op: a Python call per op, most of it torch's own machinery (a do-nothing mode
 costs as much as TapeSAC's checks). Inside some modules that cost buys nothing, because what
 their forward dispatches is fixed by what can be checked before it runs:
@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .handoff import Saved
 
 Tensor = torch.Tensor
 
@@ -133,3 +135,151 @@ def eligible(seg: Segment, tape: Any, steps: list, replayable: frozenset) -> boo
     seg.hold_at_pack = frozenset(held & packed - first_met - {seg.out})
     seg.hold_out = seg.out in held
     return True
+
+
+class SegmentRunning:
+    """The recorder's part for pure module calls (mixed into :class:`~tapesac.recorder.Recorder`):
+    learn them while recording, run them unobserved while following."""
+
+    def _init_segments(self, learn: bool) -> None:
+        self._learn = learn
+        """Recording: note pure module calls (:meth:`run_module`) for forwards that follow."""
+        self.segments: list[Segment] = []
+        self._seg_learn: list | None = None
+        """While recording a pure module call: what each pack inside it returned."""
+        self._seg: Segment | None = None
+        self.unobserved_ops = 0
+        """Tape ops this forward ran with the dispatch mode off (pure module calls)."""
+        self._seg_run: list | None = None
+        """While a followed forward runs a pure module call unobserved: (tensor, handle) per pack."""
+
+    def run_module(self, module: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a :data:`~tapesac.segments.PURE_MODULES` module inside the block: learn it
+        (recording), run it unobserved (following, where the plan has it), or just run it."""
+        if kwargs or self._seg_run is not None or self._seg_learn is not None or self._bypass:
+            return fn(*args, **kwargs)
+        plan = self._plan
+        if plan is not None:
+            # A verification forward fingerprints every saved tensor: no call runs unobserved.
+            seg = None if self.verify else plan.segments.get(self._i)
+            if seg is not None:
+                out = self._run_segment(plan, seg, module, fn, args)
+                if out is not None:
+                    return out
+            return fn(*args)
+        if not self._learn:
+            return fn(*args)
+        params = module_tensors(module)
+        key = call_key(module, args, params)
+        if key is None:
+            return fn(*args)
+        tape = self.tape
+        start, n_start = len(tape.ops), len(tape.values)
+        tensors = [t for t in (*args, *params) if isinstance(t, Tensor)]
+        before = [self._lookup(t) for t in tensors]
+        self._seg_learn = []
+        try:
+            out = fn(*args)
+        finally:
+            packs, self._seg_learn = self._seg_learn, None
+        if self._plan is not None or type(out) is not Tensor:
+            return out
+        # An argument or parameter autograd saved before the op that reads it was dispatched
+        # was on no value then; it is by now.
+        for k, (vid, saved, ident) in enumerate(packs):
+            if vid is None:
+                t = ident[1]()
+                vid = None if t is None or id(t) != ident[0] else self._lookup(t)
+            packs[k] = (vid, saved)
+        sources = []
+        for t, b in zip(tensors, before):
+            vid = self._lookup(t)
+            if vid is None or b is not None and b != vid:
+                return out  # not read, or written inside: not a call to run unobserved
+            sources.append((vid, b is None))
+        out_vid = self._lookup(out)
+        if out_vid is None or out_vid < n_start:
+            return out
+        self.segments.append(Segment(start, len(tape.ops), n_start, len(tape.values), weakref.ref(module),
+                                     type(module).forward, key, tuple(sources), tuple(packs), out_vid))
+        return out
+
+    def _segment_pack(self, t: Tensor) -> Any:
+        """The pack hook inside an unobserved call: the handle the verified call's k-th pack had
+        (checked and committed after the call, :meth:`_run_segment`)."""
+        run = self._seg_run
+        seg = self._seg
+        k = len(run)
+        if k < len(seg.packs) and seg.packs[k][1] and type(t) in _PLAIN:
+            handle: Any = Saved(self.link, seg.packs[k][0], t)
+        else:
+            handle = self._as_is(t)
+        run.append((t, handle))
+        return handle
+
+    def _run_segment(self, plan: Any, seg: Segment, module: nn.Module, fn: Any, args: tuple) -> Any:
+        """Run a pure module call unobserved where the plan has one (see :mod:`~tapesac.segments`);
+        None (nothing changed) when it may not, or when its results differ from the tape's (the
+        call then runs again, op by op)."""
+        if module is not seg.module() or type(module).forward is not seg.fn or self._n != seg.n_start:
+            return None
+        if self._fresh:
+            self._settle()  # the last op's holds, before this call's
+        params = module_tensors(module)
+        if call_key(module, args, params) != seg.key:
+            return None
+        tensors = [t for t in (*args, *params) if isinstance(t, Tensor)]
+        fids = self._fids
+        for t, (vid, new) in zip(tensors, seg.sources):
+            ent = fids.get(id(t))
+            bound = ent is not None and ent[0]() is t
+            if new:
+                if bound:
+                    return None  # seen before, where the verified forward met it first here
+            elif not bound or ent[1] != vid or t._version != ent[2]:
+                return None
+        run: list = []
+        self._seg, self._seg_run = seg, run
+        # The mode is off for the call and for the holds' detaches (not the block's ops).
+        with torch._C._DisableTorchDispatch():
+            try:
+                out = fn(*args)
+            finally:
+                self._seg_run = None
+            values = plan.tape.values
+            v = values[seg.out]
+            if len(run) != len(seg.packs) or type(out) is not Tensor or out.shape != v.shape or out.dtype != v.dtype:
+                return None  # dropped: the call runs again under the mode
+            for (t, _), (vid, _) in zip(run, seg.packs):
+                v = values[vid]
+                if t.shape != v.shape or t.dtype != v.dtype:
+                    return None
+            ref = weakref.ref
+            held_versions = self._held_versions
+            for t, (vid, new) in zip(tensors, seg.sources):
+                if new:
+                    version = t._version
+                    fids[id(t)] = (ref(t), vid, version)
+                    self._follow_hold(vid, t)
+                    held_versions[vid] = version
+                    if vid in plan.owned_vids:
+                        self.owned_vids.add(vid)
+            reads = self._reads
+            for (t, handle), (vid, saved) in zip(run, seg.packs):
+                if vid in seg.first_met and vid not in plan.owned_vids:
+                    self._count_off_tape(t)  # an input saved before its first op, as when recorded
+                if saved:
+                    reads[vid] = reads.get(vid, 0) + 1
+                    self._saved.append(handle)
+                if vid in seg.hold_at_pack and vid not in self.held:
+                    self._follow_hold(vid, t)
+                    held_versions[vid] = t._version
+            version = out._version
+            fids[id(out)] = (ref(out), seg.out, version)
+            if seg.hold_out:
+                self._follow_hold(seg.out, out)
+                held_versions[seg.out] = version
+        self._i, self._n = seg.end, seg.n_end
+        self.unobserved_ops += seg.end - seg.start
+        self._settle()
+        return out

@@ -17,6 +17,7 @@ import torch
 
 from .kernels import KernelLaunch
 from .ops import COLLECTIVE_NAMESPACES
+from .walk import producer_ops
 
 # Value kinds.
 EXTERNAL = 0
@@ -28,7 +29,7 @@ SNAPSHOT = 2
 
 UNSEEN = "written outside the dispatcher"
 """The ``keep_only`` reason of values whose bytes no recorded op wrote (recorder invariant 10),
-and of producers whose replay once gave other bytes than the forward's (replay invariant 13)."""
+and of producers whose replay once gave other bytes than the forward's (replay invariant R6)."""
 
 
 _DETACH = torch.ops.aten.detach.default
@@ -158,31 +159,32 @@ class Tape:
         """Values autograd saved for backward."""
         return [v.vid for v in self.values if v.reads]
 
+    def produced(self, vid: int) -> bool:
+        """Made by an op of this tape, aliasing no external: autograd's copy of it may be a handle
+        replay serves (kept or rebuilt)."""
+        v = self.values[vid]
+        return v.kind == PRODUCED and not v.free
+
+    def rebuildable(self, vid: int) -> bool:
+        """Replay can make this value again: :meth:`produced` by an op that is not keep-only."""
+        v = self.values[vid]
+        return v.kind == PRODUCED and not v.free and self.ops[v.op].keep_only is None
+
     def producer_closure(self, targets: Iterable[int], available: set[int] | dict) -> list[int]:
         """Indices of the ops to run to rebuild ``targets`` from ``available`` values, ascending.
 
         The walk stops at available values; every other value must be PRODUCED by a replayable op.
         """
-        ops = self.ops
         values = self.values
-        needed: set[int] = set()
-        seen: set[int] = set()
-        stack = [t for t in targets if t not in available]
-        while stack:
-            vid = stack.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
+
+        def op_of(vid: int) -> int:
             v = values[vid]
             if v.kind != PRODUCED or v.op < 0:
                 raise AssertionError(f"value %{vid} is neither available nor replayable")
-            if v.op in needed:
-                continue
-            needed.add(v.op)
-            for d in ops[v.op].deps:
-                if d not in available and d not in seen:
-                    stack.append(d)
-        return sorted(needed)
+            return v.op
+
+        ops = self.ops
+        return sorted(producer_ops(targets, op_of, lambda o: ops[o].deps, available.__contains__))
 
     def op_name(self, index: int) -> str:
         f = self.ops[index].func
@@ -190,7 +192,7 @@ class Tape:
 
     def program_hash(self) -> int:
         """An in-process hash of the sequence of ATen overloads the forward dispatched, as
-        :class:`~tapesac.recorder.ProgramCheck` computes it while a block runs unrecorded."""
+        :class:`~tapesac.modes.ProgramCheck` computes it while a block runs unrecorded."""
         h = 0
         for op in self.ops:
             # Not the recorder's own storage aliases, nor detach (autograd detaches the outputs

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tapesac
-from tapesac import recorder
+from tapesac import segments
 
 from .blocks import CASES, assert_identical, grads
 from .test_follow import _keep_every_other, _one_thread  # noqa: F401 (an autouse fixture)
@@ -143,7 +143,7 @@ def test_results_that_differ_from_the_tape_are_dropped_and_the_call_runs_again(m
     plain = nn.Sequential(Changing("grad_mode"), Changing("grad_mode"))
     wrapped = copy.deepcopy(plain)
     handle = tapesac.wrap(list(wrapped))
-    monkeypatch.setattr(recorder, "call_key", lambda module, args, params: ("same",))
+    monkeypatch.setattr(segments, "call_key", lambda module, args, params: ("same",))
     linears = [0]
     real_linear = F.linear
 

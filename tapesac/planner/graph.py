@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from ..walk import producer_ops
+
 
 @dataclasses.dataclass
 class BlockGraph:
@@ -78,22 +80,9 @@ class BlockGraph:
     def closure(self, kept: Iterable[int]) -> set[int]:
         """Ops replay runs when ``kept`` values are held: the producer closure of the read values."""
         kept = set(kept)
-        ops: set[int] = set()
-        seen: set[int] = set()
-        stack = [v for v in self.read if v not in kept and self.value_op[v] >= 0]
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            o = self.value_op[v]
-            if o in ops:
-                continue
-            ops.add(o)
-            for d in self.op_deps[o]:
-                if d not in kept and self.value_op[d] >= 0 and d not in seen:
-                    stack.append(d)
-        return ops
+        value_op = self.value_op
+        return producer_ops(self.read, value_op.__getitem__, self.op_deps.__getitem__,
+                            lambda v: v in kept or value_op[v] < 0)
 
     def recompute_time(self, kept: Iterable[int]) -> float:
         """What replaying costs with ``kept`` held: the closure's ops, plus TapeSAC's overheads

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..walk import producer_ops
 from .graph import BlockGraph
 
 
@@ -42,18 +43,8 @@ def simulate_replay(g: BlockGraph, kept: Iterable[int], order: Sequence[int]) ->
     for k, u in enumerate(order):
         peak = held()
         if u not in cache and value_op[u] >= 0:
-            to_run: set[int] = set()
-            seen: set[int] = set()
-            stack = [u]
-            while stack:
-                x = stack.pop()
-                if x in seen or x in cache or value_op[x] < 0:
-                    continue
-                seen.add(x)
-                if value_op[x] not in to_run:
-                    to_run.add(value_op[x])
-                    stack.extend(deps[value_op[x]])
-            run = sorted(to_run)
+            run = sorted(producer_ops((u,), value_op.__getitem__, deps.__getitem__,
+                                      lambda x: x in cache or value_op[x] < 0))
             pending: Counter[int] = Counter(d for o in run for d in deps[o])
             local: set[int] = set()
             for o in run:
