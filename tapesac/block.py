@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .errors import PolicyError, TapeSACError
-from .follow import FollowPlan
+from .follow import VerifiedTape
 from .handoff import unpack_saved
 from .modes import ProgramCheck
 from .recorder import Recorder
@@ -64,9 +64,9 @@ class BlockState:
         self.program_hash: int | None = None
         """``Tape.program_hash`` of the program the policy in use was made for (pass-through
         blocks check it now and then); None until known."""
-        self._follow: dict[tuple, FollowPlan] = {}
+        self._follow: dict[tuple, VerifiedTape] = {}
         """(input shapes, keep set, expected signature) -> the verified forward later forwards
-        follow instead of recording (:class:`~tapesac.follow.FollowPlan`). Kept across policy
+        follow instead of recording (:class:`~tapesac.follow.VerifiedTape`). Kept across policy
         changes: planned mode switches a block between its plan and replay-only as steps come."""
         self._last_key: dict[tuple, int] = {}
         """The same keys -> ``Tape.fast_key`` of the last recorded forward: a program recorded
@@ -111,7 +111,7 @@ class BlockState:
         self._forwards = 0
         """Forwards with grad so far (the sampling clock of ``verify_every``)."""
         self._verified: dict[tuple, int] = {}
-        """Follow-plan keys -> ``Tape.fast_key`` of the program a verification forward recorded
+        """Verified-tape keys -> ``Tape.fast_key`` of the program a verification forward recorded
         there; a recorded forward of another program makes the next one verify again."""
         self._pending_verdicts: list[tuple[tuple, int, list]] = []
         """Verification forwards whose backward had not run at the last forward: (key, program,
@@ -310,7 +310,7 @@ class BlockState:
                 k, fast, (unpacked, differed) = pending
                 if unpacked and not differed:
                     self._verified[k] = fast
-                elif not unpacked and len(still) < _MAX_FOLLOW_PLANS:
+                elif not unpacked and len(still) < _MAX_VERIFIED_TAPES:
                     still.append(pending)
             self._pending_verdicts = still
         return (key not in self._verified or self.timer is not None
@@ -396,18 +396,18 @@ class BlockState:
             if self.program_hash is None:
                 self.program_hash = tape.program_hash()
         program = ReplayProgram(tape, recording.held)
-        if self.debug or not self.follow or not FollowPlan.eligible(tape, program):
+        if self.debug or not self.follow or not VerifiedTape.eligible(tape, program):
             return program
         if self.expected_signature is None:  # replay-only: known good once seen twice in a row
             fast = tape.fast_key()
             known, self._last_key[key] = self._last_key.get(key) == fast, fast
             if not known:
                 return program
-        if len(self._follow) >= _MAX_FOLLOW_PLANS:
+        if len(self._follow) >= _MAX_VERIFIED_TAPES:
             self._follow.clear()
             self._last_key.clear()
-        plan = self._follow[key] = FollowPlan(tape, recording.held, recording.owned_vids, recording.segments)
-        plan.program = program
+        verified = self._follow[key] = VerifiedTape(tape, recording.held, recording.owned_vids, recording.segments)
+        verified.program = program
         return program
 
 
@@ -485,12 +485,12 @@ def _copied_forward(original: nn.Module | None, memo: dict) -> _ClassForward:
 PASSTHROUGH_CHECK_EVERY = 16
 """A pass-through block checks its program in measured steps and in every this many forwards."""
 
-_MAX_FOLLOW_PLANS = 8
-"""Follow plans (input shapes x policies) a block keeps at once (more: start again)."""
+_MAX_VERIFIED_TAPES = 8
+"""Verified tapes (input shapes x policies) a block keeps at once (more: start again)."""
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
-    """Which follow plan a forward tries: its tensor arguments' shapes, dtypes and grad flags.
+    """Which verified tape a forward tries: its tensor arguments' shapes, dtypes and grad flags.
     Only a guess (a followed forward checks everything it reads), so it may be coarse."""
     return tuple((a.shape, a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
                  for a in (*args, *kwargs.values()))

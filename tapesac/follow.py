@@ -1,8 +1,8 @@
 """Follow mode: later forwards of a verified program check their ops against its tape instead of
-building one (:class:`FollowPlan`, and the recorder's :class:`Following` part).
+building one (:class:`VerifiedTape`, and the recorder's :class:`Following` part).
 
-A followed forward keeps the recorder's invariants (:mod:`tapesac.recorder`) with the plan's
-values: identities in ``_fids``, with this forward's versions, generator states and differing
+A followed forward keeps the recorder's invariants (:mod:`tapesac.recorder`) with the verified
+tape's values: identities in ``_fids``, with this forward's versions, generator states and differing
 constants kept beside the shared tape. At the first op that departs it turns what it followed
 into a tape of its own (:meth:`Following._leave_follow`) and records from there.
 """
@@ -82,11 +82,11 @@ class _FollowStep:
         constants only): :meth:`Following._follow_op` checks it inline."""
 
 
-class FollowPlan:
+class VerifiedTape:
     """A verified block forward prepared for later forwards of the same program to *follow*.
 
     A forward that follows runs under the recorder as usual, but instead of building a tape it
-    checks each op against the plan's (same overload, the same values as arguments, by identity
+    checks each op against the tape's (same overload, the same values as arguments, by identity
     and version, the same constants) and only does what backward needs: it maps outputs to the
     tape's values, holds what the verified forward held, keeps generator states, and turns saved
     tensors into handles. The tape (no tensors) is shared by every forward that follows it.
@@ -108,10 +108,11 @@ class FollowPlan:
     Not eligible (recorded every time): tapes where replay needs a snapshot (a held value that was
     written in place), with storage aliases (a tensor written through another alias) or with
     tensor lists passed by keyword; debug mode; profiling. The recorder's DTensor steps
-    (:func:`~tapesac.handoff.local_shard`, :func:`~tapesac.handoff.as_dtensor`) are followed: a tensor the forward has not seen is
-    the next such step's output when it is that step's shard or DTensor, checked by identity,
-    version, placements and shape (:meth:`Following._follow_derive`). A snapshot replay does not need (a
-    buffer updated in place, such as MoE load statistics) is not taken when following.
+    (:func:`~tapesac.handoff.local_shard`, :func:`~tapesac.handoff.as_dtensor`) are followed: a
+    tensor the forward has not seen is the next such step's output when it is that step's shard
+    or DTensor, checked by identity, version, placements and shape
+    (:meth:`Following._follow_derive`). A snapshot replay does not need (a buffer updated in
+    place, such as MoE load statistics) is not taken when following.
     """
 
     def __init__(self, tape: Tape, held: Any, owned_vids: Any = (), segments: Any = ()) -> None:
@@ -135,7 +136,7 @@ class FollowPlan:
         self.wrapper_versions = tape.last_versions(wrappers=True)
         """sid -> version of the last value in that storage (see :meth:`Saved.settle`)."""
         self.program = None
-        """The replay program of forwards that follow this plan (made by the first one)."""
+        """The replay program of forwards that follow this tape (made by the first one)."""
         self.owned_vids = frozenset(owned_vids)
         """Externals that were the block's own parameters and buffers."""
         self.segments = {seg.start: seg for seg in segments
@@ -157,14 +158,14 @@ class FollowPlan:
 
 class Following:
     """The recorder's follow mode (mixed into :class:`~tapesac.recorder.Recorder`, whose dispatch
-    mode and pack hook call it): the cursor on a :class:`FollowPlan`'s steps and the identity map
+    mode and pack hook call it): the cursor on a :class:`VerifiedTape`'s steps and the identity map
     of the values it has met."""
 
-    def _init_following(self, plan: FollowPlan | None) -> None:
-        self._plan = plan
-        """The plan this forward follows; None once it departs (or when recording)."""
+    def _init_following(self, verified: VerifiedTape | None) -> None:
+        self._verified = verified
+        """The verified tape this forward follows; None once it departs (or when recording)."""
         self.followed = False
-        """The forward ran to its end on the plan's tape: ``tape`` is that (shared) tape."""
+        """The forward ran to its end on the verified tape: ``tape`` is that (shared) tape."""
         self._i = 0
         """Index of the next tape op."""
         self._n = 0
@@ -189,9 +190,9 @@ class Following:
     def _follow_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run one op of a followed forward: check it is the tape's next op on the same values,
         then do only what backward needs of it (map its outputs, hold what the tape held)."""
-        plan = self._plan
+        verified = self._verified
         i = self._i
-        step = plan.steps[i] if i < len(plan.steps) else None
+        step = verified.steps[i] if i < len(verified.steps) else None
         if step is not None and step.func in _DTENSOR_STEPS:
             step = self._follow_dtensor_steps(args, kwargs)
             i = self._i
@@ -327,7 +328,7 @@ class Following:
             return False
         # A tensor this forward has not seen: it must be where the tape met a new external (or
         # the snapshot the recorder later made of one, which it was until then).
-        v = self._plan.tape.values[vid]
+        v = self._verified.tape.values[vid]
         if v.op >= 0 or vid != self._n or a.shape != v.shape or a.dtype != v.dtype:
             return False
         self._fids[id(a)] = (weakref.ref(a), vid, a._version)
@@ -336,7 +337,7 @@ class Following:
         self._n = vid + 1
         self._follow_hold(vid, a)
         self._held_versions[vid] = a._version
-        if vid in self._plan.owned_vids:  # the same program: the same parameters
+        if vid in self._verified.owned_vids:  # the same program: the same parameters
             self.owned_vids.add(vid)
         if seen is not None:
             seen[id(a)] = vid
@@ -346,7 +347,7 @@ class Following:
         """The tape's next steps are DTensor steps the recorder met at this op's arguments: map
         them to the arguments they made (in order) and return the step after them, or None when
         one of them matches no argument (the program departs)."""
-        steps = self._plan.steps
+        steps = self._verified.steps
         # Unseen tensors, and DTensors read again after a write through their shard.
         candidates = [t for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
                       if isinstance(t, Tensor)]
@@ -369,7 +370,7 @@ class Following:
         """If the tape's next step is a DTensor step whose output ``t`` is (the shard of the
         DTensor it read, or a DTensor over the shard it read, with the recorded placements and
         shape), map ``t`` to its value and move past the step (recorder invariant 8)."""
-        steps = self._plan.steps
+        steps = self._verified.steps
         i = self._i
         step = steps[i] if i < len(steps) else None
         if step is None or step.func not in _DTENSOR_STEPS:
@@ -386,7 +387,7 @@ class Following:
             if parts is None:
                 return None
             ent = self._fids.get(id(parts[0]))
-            v = self._plan.tape.values[out]
+            v = self._verified.tape.values[out]
             if (ent is None or ent[0]() is not parts[0] or ent[1] != src or parts[0]._version != ent[2]
                     or str(parts[1].placements) != step.args[2] or tuple(t.shape) != v.shape or t.dtype != v.dtype):
                 return None
@@ -436,7 +437,7 @@ class Following:
         elif t._version != ent[2]:  # written through another alias: recording mode makes a new value
             self._leave_follow()
             return None
-        if not self._plan.tape.produced(vid):
+        if not self._verified.tape.produced(vid):
             return self._as_is(t)
         self._reads[vid] = self._reads.get(vid, 0) + 1
         handle = Saved(self.link, vid, t)
@@ -450,16 +451,16 @@ class Following:
         of its own (the tape's ops and values so far, with this forward's versions, constants,
         generator states and reads) and record the rest of the forward."""
         self._flush_off_tape()
-        plan = self._plan
-        self._plan = None
-        ref = plan.tape
+        verified = self._verified
+        self._verified = None
+        ref = verified.tape
         tape = self.tape
         n = self._n
         snapshot_sids = set()
         for rv in ref.values[:n]:
             v = copy.copy(rv)
             v.reads = self._reads.get(v.vid, 0)
-            if v.kind == SNAPSHOT:  # here the live external, not a copy (FollowPlan.eligible)
+            if v.kind == SNAPSHOT:  # here the live external, not a copy (VerifiedTape.eligible)
                 v.kind = EXTERNAL
                 snapshot_sids.add(v.sid)
             tape.values.append(v)

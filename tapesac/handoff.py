@@ -186,8 +186,8 @@ class Recording:
     followed tape is another forward's: every random op is here)."""
     args: dict[int, tuple[tuple, dict]] = dataclasses.field(default_factory=dict)
     """op index -> (args, kwargs) where this forward's constants differ from the tape's."""
-    plan: Any = None
-    """The :class:`~tapesac.follow.FollowPlan` this forward followed to its end (its tape is ``tape``), else None."""
+    verified: Any = None
+    """The :class:`~tapesac.follow.VerifiedTape` this forward followed to its end (its tape is ``tape``), else None."""
     segments: list = dataclasses.field(default_factory=list)
     """Pure module calls of a recorded forward (:class:`~tapesac.segments.Segment`)."""
     fingerprints: dict = dataclasses.field(default_factory=dict)

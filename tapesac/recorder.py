@@ -79,7 +79,7 @@ from typing import Any
 
 import torch
 
-from .follow import FollowPlan, Following
+from .follow import Following, VerifiedTape
 from .handoff import _PLAIN, AsIs, Recording, ReplayLink, Saved, _dtensor_parts
 from .kernels import KernelLaunch, fingerprint
 from .modes import _Mode
@@ -96,7 +96,7 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
     """Builds the tape of one block forward; ``pack`` is the matching saved-tensor pack hook."""
 
     def __init__(self, block: int, keep: frozenset | None = None, debug: bool = False,
-                 owned: set[int] | None = None, timer=None, follow: "FollowPlan | None" = None,
+                 owned: set[int] | None = None, timer=None, follow: "VerifiedTape | None" = None,
                  learn_segments: bool = False, verify: bool = False,
                  keep_only_ops: frozenset | set = frozenset()) -> None:
         super().__init__()
@@ -139,12 +139,12 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
             rec = ref()
             if rec._seg_run is not None:
                 return rec._segment_pack(t)
-            plan = rec._plan
-            if plan is not None and type(t) in _PLAIN:
+            verified = rec._verified
+            if verified is not None and type(t) in _PLAIN:
                 # Following, the common case inline (:meth:`_follow_pack` has the rest): a value
                 # of the tape, unwritten since it was made, that replay can make again.
                 ent = rec._fids.get(id(t))
-                if ent is not None and ent[1] in plan.replayable and ent[0]() is t and t._version == ent[2]:
+                if ent is not None and ent[1] in verified.replayable and ent[0]() is t and t._version == ent[2]:
                     vid = ent[1]
                     reads = rec._reads
                     reads[vid] = reads.get(vid, 0) + 1
@@ -205,7 +205,7 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
             return func(*args, **kwargs)
         if self._fresh:
             self._settle()
-        if self._plan is not None:
+        if self._verified is not None:
             return self._follow_op(func, args, kwargs)
         return self._record(func, args, kwargs)
 
@@ -341,7 +341,7 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
         after that module's forward and gathers again only in that module's backward: replay
         that reaches into the module from a node that runs earlier would read freed storage.
         A followed forward holds what the verified forward held: nothing to do."""
-        if self._plan is not None:
+        if self._verified is not None:
             return
         bypass, self._bypass = self._bypass, True
         try:
@@ -373,7 +373,7 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
         """Pack hook: block-produced values become handles; everything else is kept as is."""
         self._bypass = True
         try:
-            if self._plan is not None:
+            if self._verified is not None:
                 handle = self._follow_pack(t)
                 if handle is not None:
                     return handle
@@ -401,7 +401,7 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
             self._bypass = False
 
     def _note_off_tape(self, t: Tensor, alias: Tensor | None = None) -> None:
-        if self._plan is not None and alias is not None:
+        if self._verified is not None and alias is not None:
             # Following: autograd saves an op's inputs before the op reaches the dispatcher, so a
             # parameter is saved before its first op binds it. Decide at the end, when the
             # forward's bindings tell whether it was the block's own (:meth:`_flush_off_tape`),
@@ -427,17 +427,17 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
     def finalize(self) -> Recording:
         """Forward is done (call it outside the dispatch mode): hand over what backward needs."""
         self._settle()
-        plan = self._plan
-        if plan is not None and (self._i != len(plan.steps) or self._reads != plan.reads):
+        verified = self._verified
+        if verified is not None and (self._i != len(verified.steps) or self._reads != verified.reads):
             self._leave_follow()  # it stopped short, or autograd saved other values
-            plan = None
-        if plan is not None:
+            verified = None
+        if verified is not None:
             self._flush_off_tape()
-            self.tape = plan.tape
+            self.tape = verified.tape
         values = self.tape.values
-        if plan is not None:
+        if verified is not None:
             self.followed = True
-            last_versions, wrapper_versions = plan.last_versions, plan.wrapper_versions
+            last_versions, wrapper_versions = verified.last_versions, verified.wrapper_versions
         else:
             last_versions, wrapper_versions = self.tape.last_versions(), self.tape.last_versions(wrappers=True)
         if self.fingerprints:
@@ -460,13 +460,13 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
         handles = [weakref.ref(h) for h in self._saved] + self._kept_as_is if self.fingerprints else []
         self._saved = []
         # Outside the mode a detach shares the original's version counter (invariant 7).
-        seen = self._held_versions if plan is not None else None
+        seen = self._held_versions if verified is not None else None
         versions = {vid: (t.detach(), values[vid].version if seen is None else seen[vid])
                     for vid, t in self._originals.items()}
         recording = Recording(self.block, self.tape, self.held, versions, self.owned_vids,
-                              self.debug_refs, self.link, self._rng, self._args, plan,
-                              self.segments if plan is None else [], self.fingerprints, handles)
+                              self.debug_refs, self.link, self._rng, self._args, verified,
+                              self.segments if verified is None else [], self.fingerprints, handles)
         self.held, self.debug_refs, self._originals = {}, None, {}
         self._ids, self._storages, self._held_by_sid, self._last_write = {}, {}, {}, {}
-        self._fids, self._plan = {}, None
+        self._fids, self._verified = {}, None
         return recording

@@ -137,13 +137,13 @@ class Replayer(Verification):
         self.stats = None
         """The block's stats dict, updated in place while replaying (set by the wrapper)."""
         held = recording.held
-        plan = recording.plan
-        if program is None and plan is not None:
-            program = plan.program
+        verified = recording.verified
+        if program is None and verified is not None:
+            program = verified.program
         if program is None:
             program = ReplayProgram(tape, held)
-            if plan is not None:
-                plan.program = program  # forwards that follow one plan hold the same values
+            if verified is not None:
+                verified.program = program  # forwards that follow one tape hold the same values
         self.program = program
         self.closure_ops = program.closure_ops
         """Ops replay runs when every kept value is available (the plan's recompute)."""

@@ -1,6 +1,6 @@
 """Pure module calls that a followed forward runs without the dispatch mode.
 
-A followed forward (:class:`~tapesac.follow.FollowPlan`) still pays the recorder's dispatch
+A followed forward (:class:`~tapesac.follow.VerifiedTape`) still pays the recorder's dispatch
 mode on every op: a Python call per op, most of it torch's own machinery (a do-nothing mode
 costs as much as TapeSAC's checks). Inside some modules that cost buys nothing, because what
 their forward dispatches is fixed by what can be checked before it runs:
@@ -72,9 +72,9 @@ class Segment:
     """Per tensor autograd saved inside the call, in order: (value, saved as a replay handle)."""
     out: int
     first_met: frozenset = frozenset()
-    """Values of ``sources`` first met inside the call (set by FollowPlan)."""
+    """Values of ``sources`` first met inside the call (set by VerifiedTape)."""
     hold_at_pack: frozenset = frozenset()
-    """Values the tape holds that the call made and autograd saved (set by FollowPlan)."""
+    """Values the tape holds that the call made and autograd saved (set by VerifiedTape)."""
     hold_out: bool = False
 
 
@@ -155,15 +155,15 @@ class SegmentRunning:
 
     def run_module(self, module: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
         """A call of a :data:`~tapesac.segments.PURE_MODULES` module inside the block: learn it
-        (recording), run it unobserved (following, where the plan has it), or just run it."""
+        (recording), run it unobserved (following, where the verified tape has it), or just run it."""
         if kwargs or self._seg_run is not None or self._seg_learn is not None or self._bypass:
             return fn(*args, **kwargs)
-        plan = self._plan
-        if plan is not None:
+        verified = self._verified
+        if verified is not None:
             # A verification forward fingerprints every saved tensor: no call runs unobserved.
-            seg = None if self.verify else plan.segments.get(self._i)
+            seg = None if self.verify else verified.segments.get(self._i)
             if seg is not None:
-                out = self._run_segment(plan, seg, module, fn, args)
+                out = self._run_segment(verified, seg, module, fn, args)
                 if out is not None:
                     return out
             return fn(*args)
@@ -182,7 +182,7 @@ class SegmentRunning:
             out = fn(*args)
         finally:
             packs, self._seg_learn = self._seg_learn, None
-        if self._plan is not None or type(out) is not Tensor:
+        if self._verified is not None or type(out) is not Tensor:
             return out
         # An argument or parameter autograd saved before the op that reads it was dispatched
         # was on no value then; it is by now.
@@ -217,8 +217,8 @@ class SegmentRunning:
         run.append((t, handle))
         return handle
 
-    def _run_segment(self, plan: Any, seg: Segment, module: nn.Module, fn: Any, args: tuple) -> Any:
-        """Run a pure module call unobserved where the plan has one (see :mod:`~tapesac.segments`);
+    def _run_segment(self, verified: Any, seg: Segment, module: nn.Module, fn: Any, args: tuple) -> Any:
+        """Run a pure module call unobserved where the verified tape has one (see :mod:`~tapesac.segments`);
         None (nothing changed) when it may not, or when its results differ from the tape's (the
         call then runs again, op by op)."""
         if module is not seg.module() or type(module).forward is not seg.fn or self._n != seg.n_start:
@@ -246,7 +246,7 @@ class SegmentRunning:
                 out = fn(*args)
             finally:
                 self._seg_run = None
-            values = plan.tape.values
+            values = verified.tape.values
             v = values[seg.out]
             if len(run) != len(seg.packs) or type(out) is not Tensor or out.shape != v.shape or out.dtype != v.dtype:
                 return None  # dropped: the call runs again under the mode
@@ -262,11 +262,11 @@ class SegmentRunning:
                     fids[id(t)] = (ref(t), vid, version)
                     self._follow_hold(vid, t)
                     held_versions[vid] = version
-                    if vid in plan.owned_vids:
+                    if vid in verified.owned_vids:
                         self.owned_vids.add(vid)
             reads = self._reads
             for (t, handle), (vid, saved) in zip(run, seg.packs):
-                if vid in seg.first_met and vid not in plan.owned_vids:
+                if vid in seg.first_met and vid not in verified.owned_vids:
                     self._count_off_tape(t)  # an input saved before its first op, as when recorded
                 if saved:
                     reads[vid] = reads.get(vid, 0) + 1

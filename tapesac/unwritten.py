@@ -192,10 +192,10 @@ class UnseenWrites:
         else:
             maybe = list(tensors.values())
         self.kernel_launches += 1
-        plan = self._plan
-        if plan is not None:
+        verified = self._verified
+        if verified is not None:
             i = self._i
-            step = plan.steps[i] if i < len(plan.steps) else None
+            step = verified.steps[i] if i < len(verified.steps) else None
             seen = (self._match_args(step, args, kwargs)
                     if step is not None and step.func == launch and step.func.same_grid(launch) else None)
             if seen is None:
@@ -203,11 +203,11 @@ class UnseenWrites:
             else:
                 # Held values a write would clobber, should the launch write other arguments than
                 # the tape's (then it is recorded after all, and invariant 3 needs them).
-                values = plan.tape.values
+                values = verified.tape.values
                 sids = {values[seen[id(t)]].sid for t in maybe if id(t) in seen}
                 copies = {vid: clone_as_is(h) for vid, h in self.held.items()
                           if values[vid].sid in sids and not (values[vid].kind == PRODUCED
-                                                             and plan.tape.ops[values[vid].op].keep_only is None)}
+                                                             and verified.tape.ops[values[vid].op].keep_only is None)}
                 out, written_ts, _ = self._run_launch(launch, args, kwargs, maybe, static)
                 if {seen.get(id(t)) for t in written_ts} == set(step.after):
                     return self._follow_out(step, i, launch, args, kwargs, [(t, False) for t in written_ts], seen, out)

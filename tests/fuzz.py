@@ -1011,7 +1011,7 @@ _REPEATABLE = sorted(set(_STEP2) - {"mutate_output", "mutate_input"})
 
 def _loop_repeat(run: _Run) -> None:
     """Four steps, each a random loop on new inputs: from a block's third forward on, forwards
-    follow its verified tape instead of recording it (``FollowPlan``)."""
+    follow its verified tape instead of recording it (``VerifiedTape``)."""
     loops = [run.rng.choice(_REPEATABLE) for _ in range(4)]
     run.notes.append("steps: " + ", ".join(loops))
     for k, name in enumerate(loops):

@@ -1,4 +1,4 @@
-"""Forwards that follow a verified tape (FollowPlan) instead of recording stay exact, and any
+"""Forwards that follow a verified tape (VerifiedTape) instead of recording stay exact, and any
 change of program, even one that keeps every shape, is recorded, never replayed from a stale tape.
 
 Every test trains several steps with TapeSAC and without, compares the gradients bit for bit at
@@ -47,7 +47,7 @@ def test_followed_steps_match_plain_autograd(name):
         assert_identical(expected, actual)
         followed.append(_followed(handle))
     assert not any(followed[0]) and not any(followed[1])  # recorded twice before following
-    # Recorded every step by design (FollowPlan.eligible): "inplace" writes a tensor through
+    # Recorded every step by design (VerifiedTape.eligible): "inplace" writes a tensor through
     # another alias. qwen3_moe's routing changes split sizes, so its blocks may depart.
     if name not in ("inplace", "qwen3_moe"):
         assert all(followed[-1]), f"{name}: the last step did not follow: {followed}"
