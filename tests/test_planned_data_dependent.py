@@ -3,7 +3,7 @@
 A plan is made from one profiled step's storage sizes. Where a block's sizes depend on the data
 (how many tokens a router picks), the planned step's kept values, held keep-only outputs and
 replay transients are as large as that step's routing makes them, not the profiled step's. The
-2-rank expert-parallel qwen3 job under-predicts its step peak this way (docs/ep2_step_model_gap.md); these
+2-rank expert-parallel qwen3 job under-predicts its step peak this way (docs/limits.md, "MoE routing"); these
 tests show the same thing on one CPU process, in seconds.
 """
 
@@ -91,7 +91,7 @@ def test_routing_that_repeats_is_predicted_at_or_above_the_measured_peak():
 
 
 @pytest.mark.xfail(strict=True, reason="the plan uses the profiled step's data-dependent sizes; a step "
-                                       "that routes more tokens holds more than predicted (docs/ep2_step_model_gap.md)")
+                                       "that routes more tokens holds more than predicted (docs/limits.md)")
 def test_more_tokens_routed_than_in_the_profiled_step_is_still_predicted_at_or_above_the_measured_peak():
     history, _plan = planned_history([0.5, 0.25, 0.9, 0.9], 1e12)
     first = history[0]

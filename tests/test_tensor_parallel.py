@@ -162,7 +162,7 @@ def test_replay_only_under_tensor_parallel_holds_far_less_than_no_ac(ranks):
     profiler does not follow, so a sum can be tens of KiB off: measured replay-only 32-108 KiB,
     full AC 32-96 KiB, no AC 835-946 KiB. Before DTensors went on the tape replay-only left
     682 KiB, which fails here. The exact check is ``off_tape_bytes == 0`` above; replay-only's
-    peak against full AC's is measured in docs/benchmarks.md section 5."""
+    peak against full AC's is measured in docs/benchmarks.md, "Parallelism"."""
     for rank, r in ranks.items():
         ro, full, none = (sum(r[m]["held_bytes"][1:]) for m in ("replay_only", "full_ac", "none"))
         assert 4 * ro <= none and 4 * full <= none, (rank, ro, full, none)
