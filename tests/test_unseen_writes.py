@@ -162,7 +162,9 @@ def test_the_planner_weighs_a_triton_kernels_measured_cost():
             launch = [i for i, name in enumerate(graph.op_names) if name.startswith("triton:")]
             assert len(launch) == 1, graph.op_names
             times = graph.op_time_s
-            assert times[launch[0]] > 0 and times[launch[0]] == max(times), "the kernel is the costliest op"
+            # Its measured time, not its output's bytes (a preempted small op may read longer once).
+            median = sorted(times)[len(times) // 2]
+            assert times[launch[0]] > 100 * median, f"the kernel is costlier than the block's other ops: {times}"
             assert launch[0] in graph.closure(()), "replay-only recomputes the kernel"
             keep = set(handle.plan.policy.blocks[b].keep)
             kept = [v for v, pos in enumerate(graph.positions) if pos in keep]
