@@ -62,9 +62,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .compiled import CompiledRunner, compiled_costs
+from .compiled import CompiledRunner
 from .meter import AllocatorStepMeter, meter_for
 from .planner import Plan, make_plan
+from .planner.compiled_cost import compiled_costs
 from .planner.graph import BlockGraph
 from .policy import Policy
 from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
