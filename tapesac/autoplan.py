@@ -636,7 +636,9 @@ class AutoPlanner:
         self._allocator_everywhere = not agreed.profiler
         if self._compiled_mode():
             self._note_compiled(step.active if same else None, agreed)
-        allocator_peak = self._allocator.stop() if self._allocator is not None else None
+        if self._allocator is not None:
+            self._allocator.stop()
+        allocator_peak = self._allocator.peak() if self._allocator is not None else None
         self._allocator = None
         memory = self._finish_trace()
         self.steps += 1
@@ -1123,7 +1125,7 @@ class AutoPlanner:
         if self._trace is not None:
             self._trace.abort()
         if self._allocator is not None:
-            self._allocator.abort()
+            self._allocator.stop()
         self._trace = None
         self._allocator = None
         self._trace_purpose = None
