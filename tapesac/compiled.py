@@ -52,8 +52,8 @@ Invariants (cited as "compiled invariant N" where they are kept):
    maker holds, whatever spelling the view takes (1a). A multi-output view (``unbind``) that SAC
    saves itself aliases the same storage: no more bytes.
 
-Plans for compiled mode are costed by :func:`tapesac.planner.compiled_cost.compiled_costs` (fused
-ops at ``FUSED_COST`` of their eager time, no replay overheads). Memory is checked on a compiled step itself, measured (on
+Plans for compiled mode are costed by ``tapesac.planner.compiled_cost`` (fused ops at ``FUSED_COST`` of
+their eager time, no replay overheads). Memory is checked on a compiled step itself, measured (on
 CUDA the first under a plan, by the allocator's statistics, not yet run on a GPU; on CPU a later
 one, once every block has compiled code for the plan on every rank, by the allocator's events,
 ``tapesac.meter.AllocatorStepMeter``, which is no dispatch mode: the first compiles unmeasured,

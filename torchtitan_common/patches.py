@@ -18,9 +18,9 @@ A torchtitan job's trainer is built once per process; these last until it is bui
 * ``torchtitan.distributed.pipeline_parallel.pipeline_module_split`` (``torchtitan_ext.converter``,
   under pipeline parallelism): from the converter's ``convert`` until the trainer's one split,
   whose stages are then wrapped.
-* The policy applied in torchtitan 0.3's ``parallelize_fn`` waits in
-  ``torchtitan03_ext.activation_checkpoint``'s ``_applied`` until its trainer takes it, right after
-  (torchtitan drops the policy once applied).
+* The policy applied in torchtitan 0.3's ``parallelize_fn`` waits on the model part it was applied
+  to until its trainer takes it, right after (``torchtitan03_ext.activation_checkpoint``):
+  torchtitan drops the policy once applied.
 
 These last for the process: they make the job itself run (on a CPU, with this torch), and are
 installed when the front door is imported (``torchtitan_ext``, ``torchtitan03_ext``) or the job
@@ -38,8 +38,9 @@ asks for what needs them, each once:
 * torchtitan 0.2.x's ``generate_permute_indices`` (``torchtitan_ext.permutation``): on CPU, and
   under expert parallelism from the converter's creation; its Triton kernel writes what the
   recorder cannot see.
-* Without CUDA, torchtitan 0.3.x (``torchtitan03_ext.cpu_shim``): FlexAttention's block masks and
-  compiled attention, run eagerly.
+* Without CUDA, torchtitan 0.3.x (``torchtitan03_ext.cpu_shim``): FlexAttention's compiled
+  attention (by SDPA and a dense mask: no FlexAttention backward on CPU) and its block masks
+  (made eagerly).
 * torchtitan 0.3.x with torch 2.13 (``torchtitan03_ext.torch_compat``):
   ``torch.distributed.set_timeout``.
 * Compiled mode: ``torch._dynamo.config.capture_scalar_outputs`` (both front doors) and
