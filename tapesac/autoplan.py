@@ -62,9 +62,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import distributed as tdist
 from .artifacts import save_plan
 from .errors import ConfigError, PlanError, PolicyError, TapeSACError
-from .compiled import CompiledRunner, compiled_costs
+from .compiled import CompiledRunner
 from .meter import AllocatorStepMeter, meter_for
 from .planner import Plan, make_plan
+from .planner.compiled_cost import compiled_costs
 from .planner.graph import BlockGraph
 from .policy import Policy
 from .profile import OpTimer, block_graph, calibrate_overheads, merge_profiles
@@ -635,7 +636,9 @@ class AutoPlanner:
         self._allocator_everywhere = not agreed.profiler
         if self._compiled_mode():
             self._note_compiled(step.active if same else None, agreed)
-        allocator_peak = self._allocator.stop() if self._allocator is not None else None
+        if self._allocator is not None:
+            self._allocator.stop()
+        allocator_peak = self._allocator.peak() if self._allocator is not None else None
         self._allocator = None
         memory = self._finish_trace()
         self.steps += 1
@@ -1122,7 +1125,7 @@ class AutoPlanner:
         if self._trace is not None:
             self._trace.abort()
         if self._allocator is not None:
-            self._allocator.abort()
+            self._allocator.stop()
         self._trace = None
         self._allocator = None
         self._trace_purpose = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 import torch.utils._python_dispatch as python_dispatch
@@ -296,8 +296,27 @@ def _leave_dispatch_stack(mode: TorchDispatchMode) -> None:
 
 # Meters ------------------------------------------------------------------------------------------
 
+class StepMeter(Protocol):
+    """What planned mode asks of a memory meter over one step; every meter here is one.
+
+    ``start()`` at the step's start, ``stop()`` once at its end (also for a step given up half
+    way); ``mark()`` starts a new peak window and ``peak()`` is the peak of the window in bytes.
+    A ``live`` meter reads its peak while it runs (what :class:`tapesac.stepmodel.StepTrace`
+    needs to cut a step into windows); the others know it only once stopped."""
+
+    live: bool
+    """Whether :meth:`peak` may be read before :meth:`stop`."""
+
+    def start(self) -> None: ...
+    def mark(self) -> None: ...
+    def peak(self) -> int: ...
+    def stop(self) -> None: ...
+
+
 class CudaMeter:
     """Allocator truth on CUDA: bytes allocated now, and the peak since the last mark."""
+
+    live = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -320,6 +339,8 @@ class CudaMeter:
 
 class CpuMeter:
     """Storage counting on CPU (see :class:`StorageCounter`), active between start and stop."""
+
+    live = True
 
     def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
         self.counter = StorageCounter()
@@ -370,27 +391,35 @@ class AllocatorPeak:
         _start_session()
         return self
 
+    def mark(self) -> None:
+        """Start a new peak window: ``peak_bytes`` is the highest total from here on. A profiler
+        event marks the moment, as the free marks do (no op runs)."""
+        with torch._C._profiler._RecordFunctionFast(_WINDOW_MARK):
+            pass
+
     def __exit__(self, *exc) -> None:
         from torch._C._profiler import _EventType
 
         results = _stop_session()
         self._refs = []
-        changes: list[tuple[int, int, int, bool]] = []  # (time, ptr, bytes, from a mark)
+        changes: list[tuple[int, int, int, str]] = []  # (time, ptr, bytes, "alloc", "freed" or "window")
         stack = list(results.experimental_event_tree())
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
-                changes.append((node.start_time_ns, fields.ptr, fields.alloc_size, False))
+                changes.append((node.start_time_ns, fields.ptr, fields.alloc_size, "alloc"))
             elif node.name.startswith(_FREE_MARK):
                 ptr, nbytes = (int(x) for x in node.name[len(_FREE_MARK):].split(","))
-                changes.append((node.start_time_ns, ptr, -nbytes, True))
+                changes.append((node.start_time_ns, ptr, -nbytes, "freed"))
+            elif node.name == _WINDOW_MARK:
+                changes.append((node.start_time_ns, 0, 0, "window"))
         changes.sort(key=lambda c: c[0])
         allocated: set[int] = set()  # blocks allocated in the window, not freed yet
         reported: set[int] = set()  # blocks from before the window whose free the profiler reported
-        for _ns, ptr, nbytes, mark in changes:
-            if mark:
+        for _ns, ptr, nbytes, kind in changes:
+            if kind != "alloc":
                 continue
             if nbytes > 0:
                 allocated.add(ptr)
@@ -399,8 +428,11 @@ class AllocatorPeak:
             else:
                 reported.add(ptr)
         live = peak = 0
-        for _ns, ptr, nbytes, mark in changes:
-            if mark and ptr in reported:
+        for _ns, ptr, nbytes, kind in changes:
+            if kind == "window":
+                peak = live
+                continue
+            if kind == "freed" and ptr in reported:
                 continue
             live += nbytes
             peak = max(peak, live)
@@ -408,6 +440,7 @@ class AllocatorPeak:
 
 
 _FREE_MARK = "tapesac.freed:"
+_WINDOW_MARK = "tapesac.window"
 
 
 def _start_session() -> None:
@@ -464,13 +497,18 @@ class AllocatorStepMeter:
 
     Python's automatic garbage collection is paused while it runs (cyclic garbage stays counted
     until the step ends: high): a collection while dynamo compiled under the profiler crashed
-    the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test)."""
+    the process (torch 2.13 on CPU, ``tests/test_compiled.py``'s micro-batch test).
+
+    Its peak is known once it has stopped (not ``live``)."""
+
+    live = False
 
     def __init__(self, track: Iterable[torch.Tensor] = ()) -> None:
         storages = {st._cdata: st for t in track for st in _storages(t)}
         self.base_bytes = sum(st.nbytes() for st in storages.values())
         self._storages = list(storages.values())
         self._peak: AllocatorPeak | None = None
+        self._peak_bytes: int | None = None
 
     @staticmethod
     def available() -> bool:
@@ -483,22 +521,27 @@ class AllocatorStepMeter:
         gc.disable()
         self._peak.__enter__()
 
-    def stop(self) -> int:
-        """End the step; its peak in bytes."""
+    def mark(self) -> None:
+        self._peak.mark()
+
+    def stop(self) -> None:
+        """End the step (for a step given up too); a meter already stopped stays as it is."""
+        if self._peak is None:
+            return
         peak, self._peak = self._peak, None
         peak.__exit__(None, None, None)
         if self._gc_was_enabled:
             gc.enable()
-        return self.base_bytes + peak.peak_bytes
+        self._peak_bytes = self.base_bytes + peak.peak_bytes
 
-    def abort(self) -> None:
-        if self._peak is not None:
-            self._peak.__exit__(None, None, None)
-            self._peak = None
-            if self._gc_was_enabled:
-                gc.enable()
+    def peak(self) -> int:
+        """The peak in bytes of the window since :meth:`start` or the last :meth:`mark`, read
+        after :meth:`stop`."""
+        if self._peak_bytes is None:
+            raise TapeSACError("AllocatorStepMeter.peak() is known once the meter has stopped")
+        return self._peak_bytes
 
 
-def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()):
+def meter_for(device: torch.device, track: Iterable[torch.Tensor] = ()) -> StepMeter:
     """The meter for ``device``: allocator statistics on CUDA, a :class:`CpuMeter` elsewhere."""
     return CudaMeter(device) if device.type == "cuda" else CpuMeter(track)

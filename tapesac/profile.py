@@ -27,7 +27,7 @@ from .tape import EXTERNAL, PRODUCED, UNSEEN, Tape
 class OpTimer:
     """Times ops inline; ``sync`` makes device work finish before the clock is read."""
 
-    def __init__(self, repeats: int = 3, device_type: str = "cpu") -> None:
+    def __init__(self, repeats: int, device_type: str = "cpu") -> None:
         if repeats < 1:
             raise ValueError("repeats must be >= 1")
         self.repeats = repeats

@@ -26,17 +26,10 @@ traced on their own and planned with :meth:`StepMemory.union` (``tapesac.autopla
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-
-class Meter(Protocol):
-    """What the trace needs from a memory meter (``tapesac.meter``)."""
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def current(self) -> int: ...
-    def peak(self) -> int: ...
-    def mark(self) -> None: ...
+if TYPE_CHECKING:
+    from .meter import StepMeter
 
 
 @dataclasses.dataclass
@@ -143,7 +136,8 @@ class StepTrace:
     live set of a window is the one at its start (a superset of what is live later in it).
     """
 
-    def __init__(self, meter: Meter) -> None:
+    def __init__(self, meter: StepMeter) -> None:
+        """``meter`` must be ``live``: each window's peak is read as the window closes."""
         self.meter = meter
         self.windows: list[Window] = []
         self.started = False

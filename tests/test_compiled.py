@@ -435,7 +435,7 @@ def test_compiled_plans_cost_fused_ops_at_a_fraction_and_carry_no_replay_overhea
     """Under compile, fused ops recompute inside the kernels around them: compiled mode's block
     graphs cost them at ``FUSED_COST`` of their eager time, matmuls and attention at theirs, and
     carry no replay or recording overhead (compiled blocks neither record nor replay)."""
-    from tapesac.compiled import EXTERN_OPS, FUSED_COST, compiled_costs
+    from tapesac.planner.compiled_cost import EXTERN_OPS, FUSED_COST, compiled_costs
     from tapesac.profile import block_graph
 
     torch.manual_seed(0)

@@ -171,11 +171,29 @@ def test_allocator_step_meter_reads_what_the_counter_reads_on_eager_code():
             m.start()
             model.zero_grad(set_to_none=True)
             _step(model, x)
-            peaks.append(m.stop() if meter == "allocator" else (m.stop(), m.peak())[1])
+            m.stop()
+            peaks.append(m.peak())
         allocator_peak, counter_peak = peaks
         # 32 KiB of kernel temporaries measured above the counter, with or without old gradients;
         # counting the freed gradients would add their 129 KiB.
         assert counter_peak <= allocator_peak <= counter_peak + 64 * 1024, (existing_grads, peaks)
+
+
+@pytest.mark.parametrize("meter", ["allocator", "counter"])
+def test_every_meter_starts_a_new_peak_window_at_a_mark(meter):
+    """Every step meter (``StepMeter``) reads the peak since its last mark: a large tensor freed
+    before the mark is not in the window after it, a smaller one made after it is."""
+    from tapesac.meter import AllocatorStepMeter
+
+    m = AllocatorStepMeter() if meter == "allocator" else CpuMeter()
+    m.start()
+    big = torch.ones(1 << 20)
+    del big
+    m.mark()
+    small = torch.ones(1 << 10)
+    m.stop()
+    assert 4 * (1 << 10) <= m.peak() < 4 * (1 << 20), m.peak()
+    del small
 
 
 def _event_names(results) -> set[str]:

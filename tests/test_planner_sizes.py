@@ -27,7 +27,8 @@ def two_layer_step() -> StepMemory:
 
 def test_a_layer_that_routes_more_tokens_is_costed_with_its_own_sizes():
     graphs = {0: routed_block(100.0), 1: routed_block(400.0)}
-    plan = make_plan(graphs, two_layer_step(), 1e9, solver_time_limit_s=0.0, frontier_points=0)
+    plan = make_plan(graphs, two_layer_step(), 1e9, points_per_block=12, solver_time_limit_s=0.0,
+                     frontier_points=0, margin=0.0)
     points = plan.allocation.points
     assert points[0].kept == points[1].kept and points[1].kept  # keep everything: the limit is loose
     assert points[0].memory == 200.0 and points[1].memory == 800.0
@@ -38,6 +39,7 @@ def test_a_layer_that_routes_more_tokens_is_costed_with_its_own_sizes():
 
 def test_the_first_layer_routing_more_tokens_costs_the_others_no_more_than_their_own():
     graphs = {0: routed_block(400.0), 1: routed_block(100.0)}
-    plan = make_plan(graphs, two_layer_step(), 1e9, solver_time_limit_s=0.0, frontier_points=0)
+    plan = make_plan(graphs, two_layer_step(), 1e9, points_per_block=12, solver_time_limit_s=0.0,
+                     frontier_points=0, margin=0.0)
     assert [plan.allocation.points[b].memory for b in (0, 1)] == [800.0, 200.0]
     assert plan.allocation.predicted_peak_bytes == 2000.0

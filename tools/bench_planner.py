@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tapesac.stepmodel import StepMemory, Window  # noqa: E402
+from tapesac.autoplan import PlanConfig  # noqa: E402
 from tapesac.planner import make_plan  # noqa: E402
 from tapesac.planner.allocate import formula_deltas, global_frontier  # noqa: E402
 from tapesac.planner.graph import BlockGraph  # noqa: E402
@@ -88,7 +89,8 @@ def main() -> None:
     lo, hi = sweep[0].predicted_peak_bytes, sweep[-1].predicted_peak_bytes
     # One plan, as planned mode makes it: block frontiers (default points) + allocation.
     t2 = time.perf_counter()
-    plan = make_plan(graphs, memory, (lo + hi) / 2, frontier_points=0)
+    plan = make_plan(graphs, memory, (lo + hi) / 2, points_per_block=PlanConfig.points_per_block,
+                     frontier_points=0, solver_time_limit_s=PlanConfig.solver_time_limit_s, margin=0.0)
     t_plan_total = time.perf_counter() - t2
 
     result = {

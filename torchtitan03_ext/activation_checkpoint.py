@@ -26,10 +26,10 @@ from torchtitan_common.run import Registry, TapeSACRun
 from torchtitan_common.settings import TapeSACSettings
 
 _RUNS = Registry()
-_applied: "list[TapeSAC]" = []
-"""Policies applied to a model and not yet taken by their trainer. torchtitan builds the policy,
-applies it and drops it inside ``parallelize_fn``; the trainer takes it from here right after
-(:func:`take_applied`) and holds it for as long as it trains."""
+_APPLIED = "_tapesac_applied"
+"""Attribute of a model (part) that holds the policy applied to it until its trainer takes it.
+torchtitan builds the policy, applies it and drops it inside ``parallelize_fn``; the trainer
+takes it right after (:func:`take_applied`) and holds it for as long as it trains."""
 
 
 def active() -> "TapeSAC | None":
@@ -38,10 +38,15 @@ def active() -> "TapeSAC | None":
     return _RUNS.newest()
 
 
-def take_applied() -> "TapeSAC | None":
-    """The policy applied since the last call (the newest; None if none), for its trainer."""
-    policy = _applied[-1] if _applied else None
-    _applied.clear()
+def take_applied(model_parts: "list[nn.Module]") -> "TapeSAC | None":
+    """The policy applied to ``model_parts`` or their modules (the last part's when several hold
+    one; None if none), for their trainer; none of them holds one after."""
+    policy = None
+    for part in model_parts:
+        for module in part.modules():
+            applied = module.__dict__.pop(_APPLIED, None)
+            if applied is not None:
+                policy = applied
     if policy is not None:
         _RUNS.add(policy)
     return policy
@@ -94,7 +99,7 @@ class TapeSAC(ActivationCheckpointing):
         if options is not None:
             options = _compile_like_torchtitan(model, options)
         self.run.wrap(blocks, model=model, dump_folder=self.dump_folder, model_name=name, compile_options=options)
-        _applied.append(self)
+        model.__dict__[_APPLIED] = self
         logger.debug(f"Applied TapeSAC to {len(blocks)} blocks of {name}")
 
 

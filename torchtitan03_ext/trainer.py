@@ -82,7 +82,7 @@ class Trainer(tt_trainer.Trainer):
                 config = _compiled_by_tapesac(config)
         super().__init__(config)
         # The TapeSAC policy applied to this model in parallelize_fn (None with another choice).
-        self.tapesac = take_applied()
+        self.tapesac = take_applied(self.model_parts)
         if self.tapesac is not None:
             report_with_step_log(self.metrics_processor, _current_run)
 

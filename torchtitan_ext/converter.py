@@ -26,6 +26,7 @@ import tapesac
 from tapesac.errors import ConfigError
 from torchtitan_common import compiled
 from torchtitan_common.errors import exit_with
+from torchtitan_common.patches import until_first_call
 from torchtitan_common.run import PipelineStage, Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
 
 from . import permutation
@@ -181,22 +182,23 @@ def _wrap_after_pipeline_split(converter: TapeSACConverter) -> None:
     torchtitan's ``pipeline_llm`` (the ``pipelining_fn`` of its decoder models; :func:`validate`
     refuses others) splits the meta model with this module-level function and then parallelises
     each part; the patch takes itself out at its first call (one split per trainer) and holds
-    the converter weakly.
+    the converter weakly (``torchtitan_common.patches``).
     """
     from torchtitan.distributed import pipeline_parallel
 
-    original = pipeline_parallel.pipeline_module_split
     ref = weakref.ref(converter)
 
-    def pipeline_module_split(*args: Any, **kwargs: Any):
-        pipeline_parallel.pipeline_module_split = original
-        stages, parts = original(*args, **kwargs)
-        target = ref()
-        if target is not None:
-            target.wrap(parts, PipelineStage.of([s.stage_index for s in stages]))
-        return stages, parts
+    def wrap(original: Any) -> Any:
+        def pipeline_module_split(*args: Any, **kwargs: Any):
+            stages, parts = original(*args, **kwargs)
+            target = ref()
+            if target is not None:
+                target.wrap(parts, PipelineStage.of([s.stage_index for s in stages]))
+            return stages, parts
 
-    pipeline_parallel.pipeline_module_split = pipeline_module_split
+        return pipeline_module_split
+
+    until_first_call([pipeline_parallel], "pipeline_module_split", wrap)
 
 
 def _current_run() -> TapeSACRun | None:
@@ -206,21 +208,23 @@ def _current_run() -> TapeSACRun | None:
 
 def _report_metrics() -> None:
     """Add TapeSAC's numbers to torchtitan's metrics (TensorBoard, W&B) and a line under each
-    step's log line (rank 0). torchtitan's trainer may run as ``torchtitan.train`` or, with
-    ``python -m torchtitan.train``, as ``__main__``: both copies are wrapped, once each."""
-    for module in {sys.modules.get("torchtitan.train"), sys.modules.get("__main__")}:
-        build = getattr(module, "build_metrics_processor", None)
-        if build is None or getattr(build, "__tapesac__", False) or not hasattr(module, "Trainer"):
-            continue
+    step's log line (rank 0), through the metrics processor the trainer builds next (the patch
+    takes itself out at that call: ``torchtitan_common.patches``). torchtitan's trainer may run
+    as ``torchtitan.train`` or, with ``python -m torchtitan.train``, as ``__main__``: both copies
+    are wrapped."""
+    modules = [m for m in {sys.modules.get("torchtitan.train"), sys.modules.get("__main__")}
+               if m is not None and hasattr(m, "Trainer")]
 
+    def wrap(build: Any) -> Any:
         @functools.wraps(build)
-        def build_with_tapesac_metrics(*args: Any, _build=build, **kwargs: Any):
-            processor = _build(*args, **kwargs)
+        def build_with_tapesac_metrics(*args: Any, **kwargs: Any):
+            processor = build(*args, **kwargs)
             report_with_step_log(processor, _current_run)
             return processor
 
-        build_with_tapesac_metrics.__tapesac__ = True  # type: ignore[attr-defined]
-        module.build_metrics_processor = build_with_tapesac_metrics
+        return build_with_tapesac_metrics
+
+    until_first_call(modules, "build_metrics_processor", wrap)
 
 
 def register() -> None:

@@ -88,9 +88,13 @@ class Plan:
 
 
 def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: float, *,
-              points_per_block: int = 12, frontier_points: int = 24, solver_time_limit_s: float = 0.15,
-              margin: float = 0.0, meta: dict[str, Any] | None = None, passthrough: bool = True) -> Plan:
+              points_per_block: int, frontier_points: int, solver_time_limit_s: float, margin: float,
+              meta: dict[str, Any] | None = None, passthrough: bool = True) -> Plan:
     """Plan ``graphs`` (block index -> graph with measured times) under ``limit_bytes``.
+
+    ``points_per_block``, ``frontier_points``, ``solver_time_limit_s`` and ``margin`` are
+    :class:`tapesac.autoplan.PlanConfig`'s fields of those names (``margin`` is its
+    ``safety_margin``), where their defaults live.
 
     ``passthrough``: a block that keeps everything backward reads may run as plain autograd. Off
     when the step backwards a graph twice (``retain_graph``): autograd then holds every saved

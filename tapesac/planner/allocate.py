@@ -157,7 +157,7 @@ def greedy(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: f
 
 
 def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: float,
-             time_limit_s: float = 0.5, deltas: Deltas | None = None, margin: float = 0.0) -> Allocation:
+             time_limit_s: float, deltas: Deltas | None = None, margin: float = 0.0) -> Allocation:
     """The fastest choice of frontier points whose predicted step peak fits ``limit_bytes``.
 
     A greedy pass (best time saved per kept byte first) gives a feasible plan at once; the MILP
@@ -237,9 +237,10 @@ def _polish(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes: 
     return choice, label
 
 
-def global_frontier(memory: StepMemory, frontiers: dict[int, list[Point]], points: int = 24,
+def global_frontier(memory: StepMemory, frontiers: dict[int, list[Point]], points: int,
                     time_limit_s: float = 0.0, deltas: Deltas | None = None) -> list[Allocation]:
-    """Step-level frontier: allocations for limits spanning replay-only to keep-what-pays."""
+    """Step-level frontier: allocations for ``points`` limits spanning replay-only to
+    keep-what-pays, each solved by :func:`allocate` within ``time_limit_s``, or greedily (0)."""
     deltas = deltas if deltas is not None else formula_deltas(memory, frontiers)
     lo = smallest_peak(memory, frontiers, deltas)
     hi = max(largest_useful_peak(memory, frontiers, deltas), lo)
