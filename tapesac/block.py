@@ -52,7 +52,8 @@ class Controller(Protocol):
         """A forward of ``state``'s block begins: choose its policy. Returns a token (the
         recording's id) handed back to :meth:`after_forward` of the same forward."""
 
-    def after_forward(self, state: "BlockState", token: Any, replayer: "Replayer | None") -> "Callable[[int], None] | None":
+    def after_forward(self, state: "BlockState", token: Any,
+                      replayer: "Replayer | None") -> "Callable[[int], None] | None":
         """The forward that :meth:`before_forward` returned ``token`` for ended; ``replayer`` is
         None for a forward that recorded nothing (compiled or pass-through). Returns what the
         replayer calls with each value's id at every unpack, or None."""

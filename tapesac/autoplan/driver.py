@@ -52,7 +52,11 @@ from .tracing import Tracing, unpack_hook
 
 class AutoPlanner:
     """Drives planned mode for one :class:`~tapesac.api.TapeSACHandle` (see the module doc);
-    the :class:`~tapesac.block.Controller` of every wrapped block."""
+    the :class:`~tapesac.block.Controller` of every wrapped block.
+
+    Larger than the other classes of the package (about 340 lines, a sixth of them field docs):
+    the transitions of the state machine (a block forward, a step's end, a step's start) stay in
+    one class so they read in the order they run; what each phase does is in its own file."""
 
     def __init__(self, handle, config: PlanConfig) -> None:
         self.handle = handle
@@ -284,7 +288,8 @@ class AutoPlanner:
         planned = active is not None and active.key == key and not off_plan
         self.compiled.note_unprofiled(
             purpose is TracePurpose.PROFILE,
-            not planned and self.phase is not Phase.WARMUP and key not in self.plans and key not in self.book.unplannable)
+            not planned and self.phase is not Phase.WARMUP and key not in self.plans
+            and key not in self.book.unplannable)
         self.last_step_mode = step_mode(purpose, self.phase, planned, planned and not active.verified)
         if twice and not self._retains:
             self._first_retained(planned)

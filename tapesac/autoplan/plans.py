@@ -281,8 +281,8 @@ class PlanMaker:
         self.history.append({"step": step, "step_key": entry.key, "limit_bytes": limit,
                              "planned_limit_bytes": entry.limit_bytes, "predicted_peak_bytes": predicted,
                              "measured_peak_bytes": measured, "compiled": self.compiled.active, "meter": meter})
-        self._log(logging.INFO, "TapeSAC: first step under the plan: measured peak %s (predicted %s, limit %s)", fmt_bytes(measured),
-                 fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
+        self._log(logging.INFO, "TapeSAC: first step under the plan: measured peak %s (predicted %s, limit %s)",
+                  fmt_bytes(measured), fmt_bytes(predicted) if predicted is not None else "n/a", fmt_bytes(limit))
         entry.verified = True
         if measured <= limit * (1 - self.compiled.margin(entry)):
             self.compiled.measured_within(entry, measured, limit, self)
@@ -295,13 +295,13 @@ class PlanMaker:
             return
         entry.replans += 1
         if entry.replans > self.config.max_replans:
-            self._log(logging.WARNING, "TapeSAC: still over the limit after %d re-plans; this step shape runs replay-only",
-                        self.config.max_replans)
+            self._log(logging.WARNING, "TapeSAC: still over the limit after %d re-plans; this step shape runs "
+                      "replay-only", self.config.max_replans)
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
             return
         overshoot = measured - (predicted if predicted is not None else measured)
         tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit
         self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s; re-planning for %s",
-                    fmt_bytes(measured - limit), fmt_bytes(tighter))
+                  fmt_bytes(measured - limit), fmt_bytes(tighter))
         self.solve(entry, tighter, first=False)
 
