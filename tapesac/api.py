@@ -63,7 +63,7 @@ class TapeSACHandle:
         because no recorded op wrote them (a kernel, numpy) or their replay once differed;
         ``kernel_launches``: Triton launches recorded as tape steps; ``verified``: the last
         forward was a verification forward (its saved tensors fingerprinted)."""
-        return {s.index: dict(s.stats) for s in self.blocks}
+        return {s.index: s.stats.as_dict() for s in self.blocks}
 
     def tapes(self) -> dict[int, Any]:
         """Per block index, the :class:`~tapesac.tape.Tape` of its last recorded forward."""
@@ -92,9 +92,7 @@ class TapeSACHandle:
             self.planner.close()
         for s in self.blocks:
             s.uninstall()
-            if s.compiled is not None:  # its compiled functions hold the modules' forwards
-                s.compiled.clear()
-                s.compiled = None
+            s.drop_compiled()  # its compiled functions hold the modules' forwards
         self._uninstall()
         self._removed = True
 
@@ -168,15 +166,13 @@ def wrap(blocks: Iterable[nn.Module], *, policy: Any = None, memory_limit_bytes:
         raise WrapError(f"verify_every must be an int >= 0 (0: verification forwards only), got {verify_every!r}")
     if compile and debug:
         raise WrapError("debug=True checks eager replay; it cannot check compiled forwards: pick one")
-    states = [BlockState(i, b, debug=debug) for i, b in enumerate(blocks)]
-    for s in states:
-        s.verify_every = verify_every
+    runner = None
     if compile:
         from .compiled import CompiledRunner
 
         runner = CompiledRunner(compile_options)
-        for s in states:
-            s.compiled = runner
+    states = [BlockState(i, b, debug=debug, verify_every=verify_every, compiled=runner)
+              for i, b in enumerate(blocks)]
     for s in states:
         s.install()
     handle = TapeSACHandle(states)

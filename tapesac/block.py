@@ -9,16 +9,17 @@ running any module hook again.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from .errors import PolicyError, TapeSACError
-from .follow import VerifiedTape
+from .programs import KnownPrograms
 from .handoff import unpack_saved
 from .modes import ProgramCheck
 from .recorder import Recorder
@@ -39,10 +40,126 @@ def current_recorder() -> "Recorder | None":
     return None if state is None else state._recorder
 
 
-class BlockState:
-    """Everything TapeSAC knows about one wrapped block. Holds the module weakly (no cycle)."""
+class Controller(Protocol):
+    """What drives a block's policy from outside, forward by forward (planned mode's
+    :class:`~tapesac.autoplan.AutoPlanner`). The block calls it; it answers through the block's
+    methods (:meth:`BlockState.use_policy`, :meth:`BlockState.time_ops`), never by assigning
+    into the block's state."""
 
-    def __init__(self, index: int, module: nn.Module, debug: bool = False) -> None:
+    measuring: bool
+    """This step's memory is measured (pass-through blocks check their program then, and
+    recorded forwards verify)."""
+
+    def before_forward(self, state: "BlockState", args: tuple, kwargs: dict) -> Any:
+        """A forward of ``state``'s block begins: choose its policy. Returns a token (the
+        recording's id) handed back to :meth:`after_forward` of the same forward."""
+
+    def after_forward(self, state: "BlockState", token: Any,
+                      replayer: "Replayer | None") -> "Callable[[int], None] | None":
+        """The forward that :meth:`before_forward` returned ``token`` for ended; ``replayer`` is
+        None for a forward that recorded nothing (compiled or pass-through). Returns what the
+        replayer calls with each value's id at every unpack, or None."""
+
+    def policy_mismatch(self, state: "BlockState", what: str) -> bool:
+        """``state``'s forward ran another program than its policy's (``what`` says how). True:
+        handled (the forward runs replay-only); False: the block raises a PolicyError."""
+
+
+class Runner(Protocol):
+    """What compiled mode does for a block (:class:`~tapesac.compiled.CompiledRunner`)."""
+
+    def policy_for(self, state: "BlockState") -> Any:
+        """The key of the compiled code the block's next forward runs, or None: run eagerly."""
+
+    def forward(self, state: "BlockState", key: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the block's forward compiled under ``key``."""
+
+    def kept_bytes(self, state: "BlockState", key: Any) -> int:
+        """Bytes the compiled forward under ``key`` keeps for backward."""
+
+    def clear(self) -> None:
+        """Drop every compiled function (they hold the blocks' forwards)."""
+
+
+@dataclasses.dataclass
+class BlockStats:
+    """What a block's last forward (and backward) did; :meth:`as_dict` is the block's entry of
+    ``handle.stats()``. Written only by the block's forward paths, and the replay counts by the
+    block's replayers."""
+
+    ops_recorded: int = 0
+    ops_in_closure: int = 0
+    values_read: int = 0
+    kept_bytes: int = 0
+    input_bytes: int = 0
+    signature: str | None = None
+    """The tape signature last checked against a policy."""
+    passthrough: bool = False
+    compiled: bool = False
+    off_tape_bytes: int = 0
+    unseen_bytes: int = 0
+    kernel_launches: int = 0
+    verified: bool = False
+    followed: bool | None = None
+    """None until the block's first recorded forward (``handle.stats()`` has no such key then)."""
+    ops_unobserved: int | None = None
+    """None until the block's first recorded forward, like ``followed``."""
+    replay: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"ops_replayed": 0, "recomputed_bytes": 0})
+    """The last backward's ``ops_replayed`` and ``recomputed_bytes``. A dict, one object for the
+    block's lifetime: every replayer of the block adds to it on replay's per-op path."""
+
+    def ran_compiled(self, kept_bytes: int, passthrough: bool) -> None:
+        """A forward ran compiled: nothing recorded, kept what the plan keeps."""
+        self.ops_recorded = self.ops_in_closure = self.input_bytes = 0
+        self.replay["ops_replayed"] = self.replay["recomputed_bytes"] = 0
+        self.kept_bytes, self.compiled, self.passthrough = kept_bytes, True, passthrough
+
+    def ran_passthrough(self) -> None:
+        """A forward ran as plain autograd: nothing recorded, nothing to replay."""
+        self.ops_recorded = self.ops_in_closure = self.kept_bytes = self.input_bytes = 0
+        self.unseen_bytes = self.kernel_launches = 0
+        self.replay["ops_replayed"] = self.replay["recomputed_bytes"] = 0
+        self.passthrough, self.verified = True, False
+
+    def recorded(self, rec: Recorder, tape: Any, replayer: Replayer) -> None:
+        """A forward recorded (or followed) ``tape``; ``replayer`` will replay it."""
+        self.passthrough = self.compiled = False
+        self.followed = rec.followed
+        self.ops_unobserved = rec.unobserved_ops
+        self.ops_recorded = len(tape.ops)
+        self.ops_in_closure = len(replayer.closure_ops)
+        self.values_read = len(replayer.program.reads)
+        self.kept_bytes = replayer.kept_bytes()
+        self.input_bytes = replayer.input_bytes()
+        self.off_tape_bytes = rec.off_tape_bytes
+        self.unseen_bytes = replayer.unseen_bytes()
+        self.kernel_launches = rec.kernel_launches
+        self.verified = rec.verify
+
+    def as_dict(self) -> dict[str, Any]:
+        """The public form (keys in the order ``handle.stats()`` has always listed them)."""
+        out = {"ops_recorded": self.ops_recorded, "ops_replayed": self.replay["ops_replayed"],
+               "ops_in_closure": self.ops_in_closure, "values_read": self.values_read,
+               "kept_bytes": self.kept_bytes, "input_bytes": self.input_bytes,
+               "recomputed_bytes": self.replay["recomputed_bytes"], "signature": self.signature,
+               "passthrough": self.passthrough, "compiled": self.compiled,
+               "off_tape_bytes": self.off_tape_bytes, "unseen_bytes": self.unseen_bytes,
+               "kernel_launches": self.kernel_launches, "verified": self.verified}
+        if self.followed is not None:
+            out["followed"] = self.followed
+            out["ops_unobserved"] = self.ops_unobserved
+        return out
+
+
+class BlockState:
+    """Everything TapeSAC knows about one wrapped block. Holds the module weakly (no cycle).
+
+    The block's state has this one owner: planned mode (a :class:`Controller`) and compiled
+    mode (a :class:`Runner`) ask through its methods and read-only properties."""
+
+    def __init__(self, index: int, module: nn.Module, debug: bool = False, verify_every: int = 0,
+                 compiled: Runner | None = None) -> None:
         self.index = index
         self._module = weakref.ref(module)
         self._had_forward_attr = "forward" in module.__dict__
@@ -64,13 +181,8 @@ class BlockState:
         self.program_hash: int | None = None
         """``Tape.program_hash`` of the program the policy in use was made for (pass-through
         blocks check it now and then); None until known."""
-        self._follow: dict[tuple, VerifiedTape] = {}
-        """(input shapes, keep set, expected signature) -> the verified forward later forwards
-        follow instead of recording (:class:`~tapesac.follow.VerifiedTape`). Kept across policy
-        changes: planned mode switches a block between its plan and replay-only as steps come."""
-        self._last_key: dict[tuple, int] = {}
-        """The same keys -> ``Tape.fast_key`` of the last recorded forward: a program recorded
-        twice in a row (or matching the policy's signature) is followed from then on."""
+        self.programs = KnownPrograms(verify_every)
+        """The tapes later forwards follow, and what verification forwards checked."""
         self.follow = True
         """Let forwards follow a verified tape (False: record every forward, e.g. to measure)."""
         self.pure_calls = True
@@ -78,19 +190,13 @@ class BlockState:
         every op under the dispatch mode (to measure what it saves)."""
         self._passthrough_forwards = 0
         """Pass-through forwards so far (every PASSTHROUGH_CHECK_EVERY-th checks its program)."""
-        self.recording_id = -1
-        """Planned mode: id of the current recording (the step model follows recordings)."""
-        self.timer = None
-        """An OpTimer while profiling: the next forwards time every op."""
-        self.controller = None
-        """The AutoPlanner in planned mode (step boundaries, traces, policy mismatches)."""
+        self._timer: Any = None
+        """An OpTimer while profiling (:meth:`time_ops`): the next forwards time every op."""
+        self._controller: Controller | None = None
+        """Planned mode's driver (:meth:`attach`): step boundaries, traces, policy mismatches."""
         self.on_record: Callable[["BlockState", Recorder, tuple, dict], None] | None = None
         """Called after each recorded forward (profiling, planning hooks)."""
-        self.stats: dict[str, Any] = {
-            "ops_recorded": 0, "ops_replayed": 0, "ops_in_closure": 0, "values_read": 0,
-            "kept_bytes": 0, "input_bytes": 0, "recomputed_bytes": 0, "signature": None, "passthrough": False,
-            "compiled": False, "off_tape_bytes": 0, "unseen_bytes": 0, "kernel_launches": 0, "verified": False,
-        }
+        self.stats = BlockStats()
         self.last_replayer: weakref.ref | None = None
         """The Replayer of the last recorded forward, weakly (it lives as long as its graph)."""
         self.last_tape = None
@@ -102,28 +208,46 @@ class BlockState:
         None until the first recorded forward (FSDP2 may be applied after wrapping)."""
         self._pure_calls: list[weakref.ref] = []
         """Modules inside the block whose ``forward`` routes through the recorder (segments.py)."""
-        self.compiled = None
+        self.compiled = compiled
         """Compiled mode: the :class:`~tapesac.compiled.CompiledRunner` that runs this block under
         its plan (forwards without a plan, or profiled, still record eagerly); None: eager."""
-        self.verify_every = 0
-        """Also verify every this-many-th forward (0: only the forwards listed in
-        :meth:`_verifies`); replay invariant R6."""
-        self._forwards = 0
-        """Forwards with grad so far (the sampling clock of ``verify_every``)."""
-        self._verified: dict[tuple, int] = {}
-        """Verified-tape keys -> ``Tape.fast_key`` of the program a verification forward recorded
-        there; a recorded forward of another program makes the next one verify again."""
-        self._pending_verdicts: list[tuple[tuple, int, list]] = []
-        """Verification forwards whose backward had not run at the last forward: (key, program,
-        the replayer's ``checks``)."""
-        self.keep_only_ops: set[int] = set()
-        """Op indices whose replay once gave other bytes than the forward's (replay invariant R6):
-        kept, never rebuilt, from then on."""
+
+    # What planned and compiled mode ask of the block --------------------------------------------
+
+    def attach(self, controller: Controller | None) -> None:
+        """Let ``controller`` choose this block's policy at every forward (planned mode)."""
+        self._controller = controller
+
+    def time_ops(self, timer: Any) -> None:
+        """Time every op of the next forwards with ``timer`` (an :class:`~tapesac.profile.OpTimer`;
+        None: stop). A timed forward records, never follows, runs compiled or passes through."""
+        self._timer = timer
+
+    @property
+    def timing(self) -> bool:
+        """Forwards time every op now (a profiled step)."""
+        return self._timer is not None
+
+    @property
+    def keep_only_ops(self) -> set[int]:
+        """Op indices whose replay once differed from the forward (kept from then on)."""
+        return self.programs.keep_only_ops
+
+    @property
+    def policy(self) -> Any:
+        """The :class:`~tapesac.policy.BlockPolicy` in use, or None (replay-only)."""
+        return self._policy_entry
+
+    def drop_compiled(self) -> None:
+        """Forget the compiled runner (``handle.remove()``): its functions hold the forwards."""
+        if self.compiled is not None:
+            self.compiled.clear()
+            self.compiled = None
 
     def _mismatch(self, what: str) -> None:
         """This forward's program is not the one the policy was made for: planned mode drops the
         plan (and re-profiles); a fixed policy is an error."""
-        if self.controller is not None and self.controller.policy_mismatch(self, what):
+        if self._controller is not None and self._controller.policy_mismatch(self, what):
             return
         raise PolicyError(
             f"TapeSAC block {self.index}: the recorded tape ({what}) is not the one the policy was "
@@ -205,6 +329,9 @@ class BlockState:
             m.__dict__.pop("forward", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped forward: checks where it runs, lets planned mode choose the policy, then
+        takes one of three paths: compiled, pass-through, or recorded (which may follow a
+        verified tape)."""
         module = self.module
         if not (torch.is_grad_enabled() and module.training):
             return self.original_forward(*args, **kwargs)
@@ -220,55 +347,71 @@ class BlockState:
                 "save_on_cpu, or torchtitan activation checkpointing). TapeSAC replaces activation "
                 "checkpointing: remove the other one (torchtitan: activation_checkpoint.mode = 'none')"
             )
-        if self.controller is not None:
-            self.controller.before_forward(self, args, kwargs)
+        controller = self._controller
+        token = controller.before_forward(self, args, kwargs) if controller is not None else None
         if self.compiled is not None:
             key = self.compiled.policy_for(self)
             if key is not None:  # compiled mode, under a plan whose program was recorded
-                out = self.compiled.forward(self, key, args, kwargs)
-                # Nothing recorded: the kept bytes are the plan's (what the compiled forward saves).
-                self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0,
-                                  kept_bytes=self.compiled.kept_bytes(self, key), input_bytes=0,
-                                  recomputed_bytes=0, compiled=True, passthrough=self.passthrough)
-                if self.controller is not None:
-                    self.controller.after_forward(self, None)
+                out = self._forward_compiled(key, args, kwargs)
+                if controller is not None:
+                    controller.after_forward(self, token, None)
                 return out
-        # A pass-through block runs as plain autograd (its policy keeps everything backward reads,
-        # so its gradients are exact whatever the program). Its program only decides its memory:
-        # it is checked against the policy's (a hashing dispatch mode, O(ops)) in the steps whose
-        # memory is measured and in every PASSTHROUGH_CHECK_EVERY-th forward, and runs unchecked
-        # (nothing per op) in the others. The first forward under a policy without a known
-        # program records instead, to learn it.
-        if self.passthrough and self.timer is None and self.program_hash is not None:
-            self.stats.update(ops_recorded=0, ops_replayed=0, ops_in_closure=0, kept_bytes=0,
-                              input_bytes=0, recomputed_bytes=0, passthrough=True, unseen_bytes=0,
-                              kernel_launches=0, verified=False)
-            self._passthrough_forwards += 1
-            measured = self.controller is not None and self.controller.measuring
-            if measured or self._passthrough_forwards % PASSTHROUGH_CHECK_EVERY == 1:
-                check = ProgramCheck()
-                _local.active, self._recorder = self, check  # Triton launches are hashed too
-                try:
-                    with check:
-                        out = self.original_forward(*args, **kwargs)
-                finally:
-                    _local.active, self._recorder = None, None
-                if check.program_hash != self.program_hash:
-                    self._mismatch("a different program (the ops it ran changed)")
-            else:
-                out = self.original_forward(*args, **kwargs)
-            if self.controller is not None:
-                self.controller.after_forward(self, None)
+        # The first forward under a policy without a known program records instead, to learn it.
+        if self.passthrough and self._timer is None and self.program_hash is not None:
+            out = self._forward_passthrough(args, kwargs)
+            if controller is not None:
+                controller.after_forward(self, token, None)
             return out
+        out, replayer = self._forward_recorded(module, args, kwargs)
+        if controller is not None:
+            on_unpack = controller.after_forward(self, token, replayer)
+            if on_unpack is not None:
+                replayer.on_unpack = on_unpack
+        return out
+
+    def _forward_compiled(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """Compiled mode, under a plan whose program was recorded: ``torch.compile`` runs it."""
+        out = self.compiled.forward(self, key, args, kwargs)
+        # Nothing recorded: the kept bytes are the plan's (what the compiled forward saves).
+        self.stats.ran_compiled(self.compiled.kept_bytes(self, key), self.passthrough)
+        return out
+
+    def _forward_passthrough(self, args: tuple, kwargs: dict) -> Any:
+        """A pass-through block runs as plain autograd (its policy keeps everything backward reads,
+        so its gradients are exact whatever the program). Its program only decides its memory:
+        it is checked against the policy's (a hashing dispatch mode, O(ops)) in the steps whose
+        memory is measured and in every PASSTHROUGH_CHECK_EVERY-th forward, and runs unchecked
+        (nothing per op) in the others."""
+        self.stats.ran_passthrough()
+        self._passthrough_forwards += 1
+        measured = self._controller is not None and self._controller.measuring
+        if not (measured or self._passthrough_forwards % PASSTHROUGH_CHECK_EVERY == 1):
+            return self.original_forward(*args, **kwargs)
+        check = ProgramCheck()
+        _local.active, self._recorder = self, check  # Triton launches are hashed too
+        try:
+            with check:
+                out = self.original_forward(*args, **kwargs)
+        finally:
+            _local.active, self._recorder = None, None
+        if check.program_hash != self.program_hash:
+            self._mismatch("a different program (the ops it ran changed)")
+        return out
+
+    def _forward_recorded(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Replayer]:
+        """Record the forward as a tape (or follow a verified one); returns its output and the
+        replayer its backward unpacks through."""
         def owned() -> set[int]:
             ids = {id(t) for t in module.parameters()}
             ids.update(id(t) for t in module.buffers())
             return ids
 
         key = (_shape_key(args, kwargs), self.keep, self.expected_signature)
-        verify = not self.debug and self._verifies(key)  # debug mode compares every value itself
-        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self.timer,
-                       follow=self._follow.get(key),
+        # Debug mode compares every value itself; profiled and measured steps always verify.
+        verify = not self.debug and self.programs.verifies(key, self._timer is not None or (
+            self._controller is not None and self._controller.measuring))
+        rec = Recorder(self.index, keep=self.keep, debug=self.debug, owned=owned, timer=self._timer,
+                       follow=self.programs.verified_tapes.get(key),
                        learn_segments=self.follow and self.pure_calls and self.compiled is None,
                        verify=verify, keep_only_ops=self.keep_only_ops)
         if self._unit_hooks is None:
@@ -290,60 +433,15 @@ class BlockState:
             self._recorder = None
             if collecting:
                 gc.enable()
-        replayer = self._finish(rec, args, kwargs, key)
-        if self.controller is not None:
-            self.controller.after_forward(self, replayer)
-        return out
-
-    def _verifies(self, key: tuple) -> bool:
-        """Whether this forward is a verification forward (replay invariant R6): the first of a
-        new input shape or policy, the one after a recorded forward whose program differed from
-        the last verified one there, profiled and measured steps, and every ``verify_every``-th
-        forward. Decided from what every rank of an SPMD program shares (shapes, step kind, a
-        count), so ranks verify the same forwards."""
-        self._forwards += 1
-        if self._pending_verdicts:
-            # Decided at the next forward, from what the earlier backwards did (the same on every
-            # rank), not when a replayer happens to be collected.
-            still = []
-            for pending in self._pending_verdicts:
-                k, fast, (unpacked, differed) = pending
-                if unpacked and not differed:
-                    self._verified[k] = fast
-                elif not unpacked and len(still) < _MAX_VERIFIED_TAPES:
-                    still.append(pending)
-            self._pending_verdicts = still
-        return (key not in self._verified or self.timer is not None
-                or (self.controller is not None and self.controller.measuring)
-                or (self.verify_every > 0 and self._forwards % self.verify_every == 0))
-
-    def _note_verified(self, rec: Recorder, tape: Any, key: tuple, replayer: Replayer) -> None:
-        """Remember which program a recorded forward ran at ``key`` (see :meth:`_verifies`): a
-        verification forward's counts once its backward ran without a difference (looked at
-        from the next forward on); a backward that never reached it verified nothing."""
-        if rec.followed or not rec.verify and key not in self._verified:
-            return
-        fast = tape.fast_key()  # computed once per tape (the policy check asks for it too)
-        if not rec.verify:
-            if self._verified.get(key) != fast:
-                self._verified.pop(key, None)
-            return
-        if not replayer.fingerprints:  # nothing to rebuild-check: verified as recorded
-            self._verified[key] = fast
-            return
-        self._pending_verdicts.append((key, fast, replayer.checks))
+        return out, self._finish(rec, args, kwargs, key)
 
     def _replay_differed(self, op: int) -> None:
         """Replay invariant 13: op ``op``'s replay gave other bytes than its forward. Keep its
         outputs from the next forward on; tapes followed so far did not, so forget them; a plan
         made without it no longer fits (planned mode re-profiles)."""
-        self.keep_only_ops.add(op)
-        self._follow.clear()
-        self._last_key.clear()
-        self._verified.clear()
-        self._pending_verdicts.clear()
-        if self.controller is not None:
-            self.controller.policy_mismatch(self, f"op {op}'s replay differed from its forward")
+        self.programs.replay_differed(op)
+        if self._controller is not None:
+            self._controller.policy_mismatch(self, f"op {op}'s replay differed from its forward")
 
     def _finish(self, rec: Recorder, args: tuple, kwargs: dict, key: tuple) -> Replayer:
         recording = rec.finalize()  # the recorder is done: replay owns the recording
@@ -354,23 +452,10 @@ class BlockState:
         if self.on_record is not None:
             self.on_record(self, rec, args, kwargs)
         replayer = Replayer(recording, program)
-        replayer.stats = self.stats
+        replayer.stats = self.stats.replay  # the replay counts: replay adds to them per op
         replayer.on_mismatch = weakref.WeakMethod(self._replay_differed)
-        self._note_verified(rec, tape, key, replayer)
-        s = self.stats
-        s["passthrough"] = False
-        s["compiled"] = False
-        s["followed"] = rec.followed
-        s["ops_unobserved"] = rec.unobserved_ops
-        s["ops_recorded"] = len(tape.ops)
-        s["ops_in_closure"] = len(replayer.closure_ops)
-        s["values_read"] = len(replayer.program.reads)
-        s["kept_bytes"] = replayer.kept_bytes()
-        s["input_bytes"] = replayer.input_bytes()
-        s["off_tape_bytes"] = rec.off_tape_bytes
-        s["unseen_bytes"] = replayer.unseen_bytes()
-        s["kernel_launches"] = rec.kernel_launches
-        s["verified"] = rec.verify
+        self.programs.note_verified(rec, tape, key, replayer)
+        self.stats.recorded(rec, tape, replayer)
         self.last_replayer = weakref.ref(replayer)
         self.last_tape = tape
         if self.compiled is not None:
@@ -387,7 +472,7 @@ class BlockState:
         if self.expected_signature is not None:
             fast = tape.fast_key()
             sig = self.expected_signature if fast == self._verified_key else tape.signature()
-            self.stats["signature"] = sig
+            self.stats.signature = sig
             if sig != self.expected_signature:
                 self._mismatch(f"signature {sig}, {len(tape.ops)} ops")
                 _forget_keeps(recording)  # it runs replay-only: no memory the plan did not count
@@ -396,18 +481,8 @@ class BlockState:
             if self.program_hash is None:
                 self.program_hash = tape.program_hash()
         program = ReplayProgram(tape, recording.held)
-        if self.debug or not self.follow or not VerifiedTape.eligible(tape, program):
-            return program
-        if self.expected_signature is None:  # replay-only: known good once seen twice in a row
-            fast = tape.fast_key()
-            known, self._last_key[key] = self._last_key.get(key) == fast, fast
-            if not known:
-                return program
-        if len(self._follow) >= _MAX_VERIFIED_TAPES:
-            self._follow.clear()
-            self._last_key.clear()
-        verified = self._follow[key] = VerifiedTape(tape, recording.held, recording.owned_vids, recording.segments)
-        verified.program = program
+        if not self.debug and self.follow:
+            self.programs.learn(key, recording, program, checked=self.expected_signature is not None)
         return program
 
 
@@ -484,9 +559,6 @@ def _copied_forward(original: nn.Module | None, memo: dict) -> _ClassForward:
 
 PASSTHROUGH_CHECK_EVERY = 16
 """A pass-through block checks its program in measured steps and in every this many forwards."""
-
-_MAX_VERIFIED_TAPES = 8
-"""Verified tapes (input shapes x policies) a block keeps at once (more: start again)."""
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:

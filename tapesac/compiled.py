@@ -381,8 +381,8 @@ class CompiledRunner:
     def policy_for(self, state: Any) -> Any:
         """The policy key ``state`` runs compiled under, or None when it must run eagerly (no
         plan, a profiling forward, or no tape of the plan's program recorded yet)."""
-        entry = state._policy_entry
-        if entry is None or state.timer is not None:
+        entry = state.policy
+        if entry is None or state.timing:
             return None
         key = self.policy_key(entry)
         if entry.passthrough:
@@ -423,7 +423,7 @@ class CompiledRunner:
 
     def kept_bytes(self, state: Any, key: Any) -> int:
         """Bytes the plan keeps for ``state`` under ``key`` (0 after a fall back to full AC)."""
-        entry = state._policy_entry
+        entry = state.policy
         return 0 if key == "recompute-all" or entry is None else int(entry.kept_bytes)
 
     def forward(self, state: Any, key: Any, args: tuple, kwargs: dict) -> Any:

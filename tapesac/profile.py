@@ -21,7 +21,7 @@ import torch
 
 from .ops import may_communicate, op_info
 from .planner.graph import BlockGraph
-from .tape import EXTERNAL, PRODUCED, UNSEEN, Tape
+from .tape import EXTERNAL, UNSEEN, Tape
 
 
 class OpTimer:
@@ -92,7 +92,7 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
             last_write[values[after].sid] = i
     value_op, keepable, names, positions = [], [], [], []
     for v in values:
-        always = v.kind != PRODUCED or v.free or ops[v.op].keep_only is not None
+        always = not tape.rebuildable(v.vid)
         value_op.append(-1 if always else v.op)
         keepable.append(not always and last_write.get(v.sid, -1) <= v.op)
         names.append(f"%{v.op}.{v.slot} {tape.op_name(v.op)}" if v.op >= 0 else f"%ext{v.vid}")
@@ -100,7 +100,7 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
     if storage_bytes is None:
         n_storages = max(tape.storage_nbytes) + 1 if tape.storage_nbytes else 0
         storage_bytes = [float(tape.storage_nbytes.get(s, 0)) for s in range(n_storages)]
-    read = [v.vid for v in values if v.reads and v.kind == PRODUCED and not v.free]
+    read = [v.vid for v in values if v.reads and tape.produced(v.vid)]
     g = BlockGraph(
         op_time_s=list(times), op_deps=[list(op.deps) for op in ops], value_op=value_op,
         value_storage=[v.sid for v in values], storage_bytes=storage_bytes, read=read,
@@ -114,7 +114,7 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
     held = {values[v].sid for v in needed
             if values[v].kind != EXTERNAL and value_op[v] == -1 and not values[v].free}
     g.fixed_bytes = sum(storage_bytes[s] for s in held)
-    unseen = {values[v].sid for v in needed if values[v].kind == PRODUCED and not values[v].free
+    unseen = {values[v].sid for v in needed if tape.produced(v)
               and ops[values[v].op].keep_only == UNSEEN}
     g.unseen_bytes = sum(storage_bytes[s] for s in unseen)
     return g

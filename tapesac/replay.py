@@ -135,7 +135,8 @@ class Replayer(Verification):
         self.block = recording.block
         self.owned_vids = recording.owned_vids
         self.stats = None
-        """The block's stats dict, updated in place while replaying (set by the wrapper)."""
+        """The block's replay counts (``ops_replayed``, ``recomputed_bytes``), updated in place while
+        replaying (set by the block)."""
         held = recording.held
         verified = recording.verified
         if program is None and verified is not None:

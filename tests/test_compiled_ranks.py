@@ -58,7 +58,7 @@ def train(seqs=(16,) * STEPS, limit: int = LIMIT, check=None) -> dict:
             model(tokens(step, 0, seq)).backward()
             opt.step()
             modes.append(planner.last_step_mode)
-            measuring.append(planner.measuring or planner._allocator is not None)  # the next step's
+            measuring.append(planner.measuring or planner.compiled.allocator is not None)  # the next step's
             if check is not None:
                 check(planner)
         runner = handle.blocks[0].compiled
@@ -139,7 +139,7 @@ def test_one_process_measures_when_its_own_compiled_code_says(monkeypatch):
         runner = planner.handle.blocks[0].compiled
         for entry in planner.plans.values():
             own = all(runner.has_compiled(b, p) for b, p in entry.policy.blocks.items())
-            answers.append((planner.steps, planner._compiled_already(entry), own))
+            answers.append((planner.steps, planner.compiled.compiled_already(entry), own))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MappingWarning)

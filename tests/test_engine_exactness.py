@@ -334,7 +334,7 @@ def test_profiling_forwards_draw_the_same_random_numbers():
     case = CASES["encoder_dropout"]()
     handle = tapesac.wrap(case.blocks)
     for s in handle.blocks:
-        s.timer = OpTimer(repeats=3)
+        s.time_ops(OpTimer(repeats=3))
     actual, _ = grads(case)
     assert_identical(expected, actual)
     assert torch.equal(torch.get_rng_state(), after)

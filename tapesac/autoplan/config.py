@@ -1,0 +1,114 @@
+"""Planned mode's settings and their checks (shared with the torchtitan ``[tapesac]`` section)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .. import distributed as tdist
+from ..errors import ConfigError, TapeSACError
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """How planned mode profiles, plans and checks."""
+
+    memory_limit_bytes: int
+    """Limit on the step peak, in bytes."""
+    safety_margin: float = 0.005
+    """Fraction of the limit held back for what a profiled step cannot show: allocations outside
+    the measured window, and sizes that change with the data (tokens per expert in MoE). Never
+    reserved below the smallest achievable peak."""
+    warmup_steps: int = 1
+    """Replay-only optimizer steps before the first profile (the first one allocates optimizer
+    state once)."""
+    profile_steps: int = 1
+    """Accepted for compatibility and must be 1 or more; one step is profiled per step shape
+    (its ops timed ``repeats`` times each)."""
+    repeats: int = 3
+    """Runs per op when timing (median)."""
+    timing_reduction: str = "max"
+    """How per-op times are combined across ranks: max, mean or median."""
+    solver_time_limit_s: float = 0.15
+    """Time limit of the allocation MILP that polishes the greedy plan (0: greedy only)."""
+    points_per_block: int = 12
+    """Points of each kind's frontier the allocation chooses from."""
+    frontier_points: int = 24
+    """Points of the step frontier written for people (0: none)."""
+    verify: bool = True
+    """Measure the first step under each plan and re-plan tighter if it exceeds the limit."""
+    compiled_raise_into_slack: bool = False
+    """Compiled mode: a measured step well under the limit re-plans for the limit raised by that
+    slack (compiled code peaks below the eager memory model), bisecting between the highest
+    planned limit measured within and the lowest measured over, at most ``max_replans`` raises.
+    Off by default: each raised plan's steps may exceed the limit once (its first, compiling
+    step is not measured on CPU; its measured step may overshoot) before the run goes back to
+    the last plan measured within it."""
+    max_replans: int = 3
+    """Re-plans per step key after measured overshoots, before falling back to replay-only."""
+    max_plans: int = 8
+    """Step keys (input shapes) planned at most; steps of further keys run replay-only."""
+    max_profile_failures: int = 2
+    """Failed profiles of one step key before it runs replay-only for good (with a warning)."""
+    policy_path: str | None = None
+    """Load the policy from here when it matches (skips profiling); save it here after planning."""
+    frontier_path: str | None = None
+    """Write the step frontier here as JSON (and as PNG next to it when matplotlib is present)."""
+    graph_dir: str | None = None
+    """Write each kind of block's measured graph here (``tools/frontier.py --graph`` reads them)."""
+    device: torch.device | None = None
+    """Device whose memory is measured (default: that of the first block's parameters)."""
+    track: Any = None
+    """CPU only: what besides the blocks and the stepping optimizers counts toward the peak
+    (modules, tensors, optimizers, or a callable returning them). On CUDA the allocator's own
+    statistics count everything."""
+    process_group: Any = None
+    fatal: Callable[[TapeSACError], Any] | None = None
+    """Called with an error that ends planned mode (an infeasible limit, ranks that disagree)
+    before it is raised; torchtitan prints it once and ends the job there."""
+    policy_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Facts stored in the saved policy and checked when loading it (world size, model): a
+    policy made under other facts is ignored with a warning, and the run re-plans."""
+
+    def __post_init__(self) -> None:
+        limit = self.memory_limit_bytes
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            raise ConfigError(f"memory_limit_bytes must be a positive number of bytes, got {limit!r}")
+        self.memory_limit_bytes = int(limit)
+        check_settings(self)
+
+
+def check_settings(settings: Any, names: dict[str, str] | None = None) -> None:
+    """Validate the fields planned mode shares with its front ends (the torchtitan ``[tapesac]``
+    section calls this too, with its own field names in ``names``); raise ConfigError."""
+    names = names or {}
+
+    def get(field: str) -> Any:
+        return getattr(settings, names.get(field, field).rsplit(".", 1)[-1])
+
+    def fail(field: str, rule: str) -> None:
+        raise ConfigError(f"{names.get(field, field)} must be {rule}, got {get(field)!r}")
+
+    def integer(field: str, low: int) -> None:
+        v = get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < low:
+            fail(field, f"an integer >= {low}")
+
+    margin = get("safety_margin")
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        fail("safety_margin", "in [0, 1)")
+    integer("warmup_steps", 0)
+    integer("profile_steps", 1)
+    integer("repeats", 1)
+    for field, low in (("max_replans", 0), ("max_plans", 1), ("max_profile_failures", 1),
+                       ("points_per_block", 2), ("frontier_points", 0)):
+        if names.get(field, field).rsplit(".", 1)[-1] in getattr(settings, "__dataclass_fields__", {}):
+            integer(field, low)
+    solver = get("solver_time_limit_s")
+    if not isinstance(solver, (int, float)) or not solver >= 0:
+        fail("solver_time_limit_s", ">= 0")
+    if get("timing_reduction") not in tdist.REDUCTIONS:
+        fail("timing_reduction", "one of " + ", ".join(sorted(tdist.REDUCTIONS)))
+
