@@ -97,7 +97,7 @@ class ReplayProgram:
     """What replaying one recording needs that depends only on its tape and which values it
     holds: made once per recording, or once for every forward that follows one tape."""
 
-    __slots__ = ("reads", "closure_ops", "rc", "pinned", "kept", "templates")
+    __slots__ = ("reads", "closure_ops", "rc", "pinned", "kept", "templates", "producer", "deps")
 
     def __init__(self, tape, held: dict[int, Tensor]) -> None:
         values = tape.values
@@ -123,6 +123,14 @@ class ReplayProgram:
         self.kept = tuple(vid for vid in held if vid not in fixed and vid in rc)
         self.templates: dict[int, _ArgTemplate] = {}
         """op index -> argument template, made at the op's first replay."""
+        ops = tape.ops
+        self.producer = [v.op if v.kind == PRODUCED and v.op >= 0 and ops[v.op].keep_only is None else -1
+                         for v in values]
+        """vid -> the op that makes it again, -1 where replay cannot (an unpack's walk, R1). Unlike
+        :meth:`~tapesac.tape.Tape.rebuildable`, views of externals count: they are always held, and
+        a walk that meets one is served from the hold first."""
+        self.deps = [op.deps for op in tape.ops]
+        """op index -> the values it reads."""
 
 
 class Replayer(Verification):
@@ -306,7 +314,6 @@ class Replayer(Verification):
     def _materialize(self, vid: int) -> Tensor:
         tape = self.tape
         ops = tape.ops
-        values = tape.values
         local: dict[int, Tensor] = {}
         """This chain's values still to be read: its inputs from the cache (invariant R1) and what
         it made."""
@@ -319,16 +326,19 @@ class Replayer(Verification):
             local[u] = t
             return True
 
+        program = self.program
+        producer = program.producer
+
         def op_of(u: int) -> int:
-            v = values[u]
-            if v.kind != PRODUCED or v.op < 0 or ops[v.op].keep_only is not None:
+            o = producer[u]
+            if o < 0:
                 raise ReplayError(
                     f"TapeSAC block {self.block}: value %{u} is needed again but is neither held nor "
                     "replayable. This is a bug in TapeSAC (invariant R2): please report it with the block"
                 )
-            return v.op
+            return o
 
-        order = sorted(producer_ops((vid,), op_of, lambda o: ops[o].deps, fetched))
+        order = sorted(producer_ops((vid,), op_of, program.deps.__getitem__, fetched))
         pending: dict[int, int] = {}
         """vid -> reads by ops of this chain that have not run."""
         get = pending.get
