@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .handoff import Saved
+from .handoff import _PLAIN, Saved
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,6 @@ PURE_MODULES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """Module class -> (its tensor attributes, its settings that reach the ops)."""
 
-_PLAIN = (Tensor, nn.Parameter)
 
 
 @dataclasses.dataclass(eq=False)
