@@ -1,4 +1,4 @@
-"""Kernels the dispatcher never sees: Triton launches as tape steps, and fingerprints of values.
+"""Kernels the dispatcher never sees: Triton launches as tape steps.
 
 A Triton kernel (flash-linear-attention's, Liger's, an MoE dispatch kernel) writes its output
 buffers without any ATen op: a dispatch mode sees the ``torch.empty`` that allocated a buffer and
@@ -10,8 +10,9 @@ nothing after it. Two things here let the recorder keep its promises anyway:
   :class:`KernelLaunch` step of the tape: its arguments, grid and constexprs, and the pointer
   arguments it writes. Replay relaunches it on the rebuilt arguments, profiling times it like an
   ATen op. Launches anywhere else run untouched (one attribute read per launch).
-* :func:`fingerprint` summarises a tensor's bytes in one 64-bit number, so that verification
-  forwards can compare what replay rebuilds with what the forward saved (replay invariant R6).
+
+Fingerprints of values (what verification forwards compare, replay invariant R6) are in
+:mod:`~tapesac.fingerprints`.
 """
 
 from __future__ import annotations
@@ -26,61 +27,6 @@ import torch
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-
-# Fingerprints -------------------------------------------------------------------------------------
-
-_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: consecutive multipliers differ widely
-_CHUNK_BYTES = 8 << 20
-"""Bytes hashed at a time: one fingerprint's temporaries stay near three times this."""
-
-
-def fingerprint(t: Tensor) -> Tensor | None:
-    """A 64-bit summary of ``t``'s bytes, as a 0-d int64 tensor on ``t``'s device (no host sync).
-
-    The bytes, in ``t``'s logical (row-major) order and read as 64-bit words ``w_i`` (the last
-    few bytes as words of their own), are summed as ``sum(w_i * c_i) mod 2**64`` with odd
-    multipliers ``c_i`` that differ per position: two tensors whose words differ in exactly one
-    position always differ here; other differences collide with probability about 2**-64.
-    Shape and dtype are not part of it (callers compare those). Works in chunks of
-    :data:`_CHUNK_BYTES`, so a large tensor costs no copy of itself. Call it with TapeSAC's
-    dispatch modes off (it runs ATen ops). A DTensor is summarised by its local shard; None for
-    other tensor subclasses (no bytes of their own to read)."""
-    if type(t) not in (Tensor, torch.nn.Parameter):
-        t = getattr(t, "_local_tensor", None)
-        if t is None or type(t) is not Tensor:
-            return None
-    if t.layout != torch.strided or t.is_quantized:  # no plain bytes to read
-        return None
-    t = t.detach()
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    if t.numel() == 0:
-        return total
-    if t.dim() == 0:
-        t = t.reshape(1)
-    rows = t.reshape(t.shape[0], -1) if t.is_contiguous() else t
-    row_bytes = max(1, t[0].numel() * t.element_size())
-    step = max(1, _CHUNK_BYTES // row_bytes)
-    offset = 0
-    for start in range(0, t.shape[0], step):
-        chunk = rows[start:start + step].contiguous().reshape(-1).view(torch.uint8)
-        if chunk.storage_offset() % 8:  # a row that starts inside a word: word-aligned copy
-            chunk = chunk.clone()
-        n = chunk.numel()
-        whole = n - n % 8
-        if whole:
-            words = chunk[:whole].view(torch.int64)
-            total += (words * _multipliers(offset, words.numel(), t.device)).sum()
-        if n > whole:
-            tail = chunk[whole:].to(torch.int64)
-            total += (tail * _multipliers(offset + whole // 8, tail.numel(), t.device)).sum()
-        offset += n // 8 + 1
-    return total
-
-
-def _multipliers(start: int, n: int, device: torch.device) -> Tensor:
-    coef = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    return coef.mul_(_MUL).bitwise_or_(1)
-
 
 # Triton launches as tape steps ---------------------------------------------------------------------
 

@@ -27,6 +27,9 @@ though those miss frees on threads the profiler does not follow, such as gloo's 
   local; autograd carries it into its own threads);
 * a wrapper subclass's own storage (a DTensor's has its global size and no data): it counts the
   storages of the inner tensors instead (a DTensor's local shard).
+
+TapeSAC's own work with the modes off (fingerprints) reports itself: :func:`count_transient`
+and :func:`count_own`.
 """
 
 from __future__ import annotations
@@ -233,6 +236,24 @@ class StorageCounter(TorchDispatchMode):
                 if id(st) not in inputs:  # views and in-place results allocate nothing
                     self._add(st, new=True)
         return out
+
+
+def count_transient(nbytes: int) -> None:
+    """Memory TapeSAC's own work allocates and frees again with the dispatch modes off (a
+    fingerprint's temporaries): every active counter's peak rises as if ``nbytes`` were allocated
+    now, on top of what is live. Bookkeeping only (invariant 2)."""
+    for counter in list(_active_counters):
+        with counter._lock:
+            if counter.live_bytes + nbytes > counter.peak_bytes:
+                counter.peak_bytes = counter.live_bytes + nbytes
+
+
+def count_own(t: torch.Tensor) -> None:
+    """A tensor TapeSAC's own work made with the dispatch modes off and keeps (a fingerprint):
+    every active counter counts its storage from now until it is freed, as if an op had made it."""
+    for counter in list(_active_counters):
+        for st in _storages(t):
+            counter._add(st, new=True)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -81,7 +81,8 @@ import torch
 
 from .follow import Following, VerifiedTape
 from .handoff import _PLAIN, AsIs, Recording, ReplayLink, Saved, _dtensor_parts
-from .kernels import KernelLaunch, fingerprint
+from .fingerprints import fingerprint
+from .kernels import KernelLaunch
 from .modes import _Mode
 from .ops import base_version, clone_as_is, device_of, generator_for, keep_only_reason, op_info, written_tensors
 from .segments import SegmentRunning

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .kernels import KernelLaunch, fingerprint, launch_constants, written_by_analysis
+from .fingerprints import fingerprint
+from .kernels import KernelLaunch, launch_constants, written_by_analysis
 from .ops import OpInfo, clone_as_is, op_info
 from .handoff import storage_alias
 from .tape import PRODUCED, UNSEEN, Ref, TapeOp

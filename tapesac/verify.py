@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ReplayError, modified_error
-from .kernels import fingerprint
+from .fingerprints import fingerprint
 from .ops import op_info
 
 Tensor = torch.Tensor

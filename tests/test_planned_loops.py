@@ -29,16 +29,19 @@ def assert_same(expected, actual) -> None:
             assert torch.equal(ge[n], ga[n]), f"step {step}: grad of {n} differs"
 
 
-def planned(model_fn: Callable[[], Model], loop: Loop, seqs: list[int], limit: float, **config):
+def planned(model_fn: Callable[[], Model], loop: Loop, seqs: list[int], limit: float, allocator: bool = False,
+            **config):
+    """Train under a plan for ``limit``; (handle, per-step peaks by the test's counter, or with
+    ``allocator`` by the profiler's allocator events, which see what no dispatch mode sees)."""
     expected = train(model_fn(), loop, seqs)
     model = model_fn()
     handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=int(limit), **config))
     try:
-        actual = train(model, loop, seqs, handle)
+        actual = train(model, loop, seqs, handle, allocator=allocator)
     finally:
         handle.remove()  # a trace started at the last step boundary ends here
     assert_same(expected, actual)
-    return handle, [peak for _l, _g, peak, _a in actual]
+    return handle, [a if allocator else peak for _l, _g, peak, a in actual]
 
 
 def span(model_fn: Callable[[], Model], loop: Loop, seq: int) -> tuple[float, float]:
@@ -91,6 +94,24 @@ def test_new_sequence_length_runs_replay_only_until_planned_and_plans_are_cached
     assert not over, f"steps over the limit {limit:.0f}: {over}"
     assert len(handle.planner.plans) == 2
     assert sum("TapeSAC plan: limit" in r.message for r in caplog.records) == 2  # each shape planned once
+
+
+def test_verifying_steps_fit_by_the_allocators_own_count():
+    """A verification forward fingerprints every saved tensor with the modes off, so no dispatch
+    mode sees its temporaries; the step model must include them anyway. Measured by the
+    profiler's allocator events, each step after the first plan, the verifying ones among them
+    (the first step under each plan, at each new length), stays under a limit close to
+    replay-only's peak at the long length."""
+    model_fn = lambda: Model()  # noqa: E731
+    loop = forwards_first(1)
+    lo_long, _ = span(model_fn, loop, 192)
+    limit = lo_long * 1.05
+    seqs = [24] * 3 + [192] * 3 + [24] * 2 + [192] * 2
+    handle, peaks = planned(model_fn, loop, seqs, limit, allocator=True)
+    first = first_planned_step(handle)
+    over = [(s, p) for s, p in enumerate(peaks) if s >= first - 1 and p > limit]
+    assert not over, f"steps over the limit {limit:.0f} by the allocator: {over}"
+    assert len(handle.planner.history) == 2
 
 
 def test_one_long_batch_while_profiling_then_constant_shapes():
