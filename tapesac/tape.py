@@ -247,6 +247,9 @@ class Tape:
 
         * integers: shapes of values made inside the block follow from the input shapes in a
           dense block and depend on the data in an MoE block (tokens per expert);
+        * the sizes of integer and boolean externals (document offsets of a packed batch, as
+          Qwen3.5's gated-DeltaNet layers take them): how many documents a batch holds depends on
+          the data; their number of dimensions is in;
         * floats: a scale read with ``.item()`` changes every step, and no float constant
           changes which values exist or how they are wired;
         * device indices: ranks on one node use ``cuda:0``, ``cuda:1``, ...;
@@ -276,13 +279,21 @@ class Tape:
             if v.kind == PRODUCED:
                 return f"%{v.op}.{v.slot}"
             n = ext_index.setdefault(r.vid, len(ext_index))
-            return f"$e{n}{list(v.shape)}{v.dtype}"
+            return f"$e{n}{_external_shape(v)}{v.dtype}"
 
         lines = []
         for i, op in enumerate(self.ops):
             outs = ",".join("-" if o is None else str(values[o].dtype) for o in op.outs)
             lines.append(f"{self.op_name(i)}{_canonical_args(op, ref)!r}->{outs}")
         return lines
+
+
+def _external_shape(v: Value) -> str:
+    """An external's shape as the signature writes it: its sizes, or for an integer or boolean
+    tensor (indices, offsets: their sizes follow the data) only its number of dimensions."""
+    if isinstance(v.dtype, torch.dtype) and not (v.dtype.is_floating_point or v.dtype.is_complex):
+        return "[" + ",".join("?" * len(v.shape)) + "]"
+    return str(list(v.shape))
 
 
 # Canonical form of recorded arguments, shared by Tape.signature and Tape.fast_key ------------------

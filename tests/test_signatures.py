@@ -240,6 +240,25 @@ def test_recorded_input_shape_and_dtype_are_in_the_signature():
     _differ(base, _record(copy.deepcopy(block).double(), torch.randn(2, 4, 8, dtype=torch.float64)))
 
 
+def _offsets_tape(n_docs: int, offsets_dims: int = 1):
+    """A block that reads a float input and a packed batch's document offsets (int32), as
+    Qwen3.5's gated-DeltaNet blocks do."""
+    b = TapeBuilder()
+    x = b.external((1, 64, 8))
+    cu = b.external((n_docs + 1,) * offsets_dims, torch.int32)
+    (c,) = b.op(aten.clone.default, cu, outs=[(n_docs + 1,) * offsets_dims], dtype=torch.int32)
+    (y,) = b.op(aten.mul.Tensor, x, 2.0, outs=[(1, 64, 8)])
+    return b.tape
+
+
+def test_how_many_documents_a_batch_packs_is_not_in_the_signature():
+    """The number of documents is data, like tokens per expert: ranks and steps that pack other
+    documents run the same program. The offsets' number of dimensions, and float shapes, count."""
+    _same(_offsets_tape(3), _offsets_tape(7))
+    _differ(_offsets_tape(3), _offsets_tape(3, offsets_dims=2))
+    assert "$e0[?]torch.int32" in _offsets_tape(3).signature_lines()[0]
+
+
 def test_parameter_version_is_not_in_the_signature():
     torch.manual_seed(0)
     block = copy.deepcopy(ItemScaleBlock())  # deep-copied parameters start at version 0
