@@ -7,8 +7,9 @@ varlen flash attention, CUDA only), and FlexAttention has no backward on CPU in 
 ("FlexAttention does not support backward on CPU"): on CPU, :func:`_flex_attention_on_cpu`
 computes the same masked attention with ``scaled_dot_product_attention`` and the dense boolean
 mask of the block mask's ``mask_mod``, and block masks for CPU tensors are made eagerly
-(:func:`_block_masks_eagerly_on_cpu`). Applied by ``import torchtitan03_ext`` when no CUDA device
-exists.
+(:func:`_block_masks_eagerly_on_cpu`). Qwen3.5's flash-linear-attention kernels (Triton, which
+needs a driver) run on CPU tensors as stand-ins that are as opaque to the dispatcher
+(:mod:`.fla_cpu`). Applied by ``import torchtitan03_ext`` when no CUDA device exists.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from torchtitan_common.cpu import install as install_common
+
+from . import fla_cpu
 
 
 def install() -> None:
@@ -25,6 +28,7 @@ def install() -> None:
     install_common()
     _flex_attention_on_cpu()
     _block_masks_eagerly_on_cpu()
+    fla_cpu.install()
 
 
 def _block_masks_eagerly_on_cpu() -> None:

@@ -40,7 +40,10 @@ asks for what needs them, each once:
   recorder cannot see.
 * Without CUDA, torchtitan 0.3.x (``torchtitan03_ext.cpu_shim``): FlexAttention's compiled
   attention (by SDPA and a dense mask: no FlexAttention backward on CPU) and its block masks
-  (made eagerly).
+  (made eagerly); for CPU tensors, flash-linear-attention's ``causal_conv1d`` (in
+  ``fla.modules.conv.causal_conv1d``) and the ``chunk_gated_delta_rule`` torchtitan's qwen3_5
+  model calls (``torchtitan03_ext.fla_cpu``: stand-ins whose forwards write unseen, as the
+  Triton kernels do).
 * torchtitan 0.3.x with torch 2.13 (``torchtitan03_ext.torch_compat``):
   ``torch.distributed.set_timeout``.
 * Compiled mode: ``torch._dynamo.config.capture_scalar_outputs`` (both front doors) and
