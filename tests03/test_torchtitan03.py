@@ -24,10 +24,10 @@ TIGHT_LIMIT_GIB = 0.075
 everything recomputed, 117 MiB with everything kept), so the plan keeps little, but something."""
 
 
-def run_titan(tmp: Path, name: str, *args: str, nproc: int = 2, steps: int = STEPS):
+def run_titan(tmp: Path, name: str, *args: str, nproc: int = 2, steps: int = STEPS, job: tuple = JOB):
     probe = tmp / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "tests03.titan_probe", *JOB, "--dump_folder", str(tmp / f"{name}_dump"),
+           "-m", "tests03.titan_probe", *job, "--dump_folder", str(tmp / f"{name}_dump"),
            "--training.steps", str(steps), *args]
     env = {**os.environ, "TAPESAC_PROBE": str(probe), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -62,6 +62,34 @@ def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp
     assert "TapeSAC plan: limit 76.8 MiB" in log and "TapeSAC [planned]: limit 76.8 MiB" in log
     policy = json.loads((tmp_path / "tapesac_dump" / "tapesac" / "policy.json").read_text())
     assert policy["meta"]["world_size"] == 2 and policy["meta"]["model"] == "llama3/debugmodel"
+
+
+QWEN35_JOBS = {"qwen35_debug_cpu": 0.13 * 0.9, "qwen35_moe_debug_cpu": 0.146 * 0.9}
+"""Qwen3.5's CPU debug jobs and their own limits in GiB (budget 0.9 of the job's "device"), each
+inside its step frontier (``torchtitan03_ext.config_registry``)."""
+
+
+@pytest.mark.parametrize("config", sorted(QWEN35_JOBS))
+def test_two_rank_qwen35_runs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, config):
+    """Qwen3.5 (gated DeltaNet with fla's kernels as opaque CPU stand-ins, full attention every
+    fourth block; dense and MoE) on two FSDP2 ranks, each rank packing its own documents."""
+    job = ("--module", "torchtitan03_ext", "--config", config)
+    out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job)
+    _ok(out)
+    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", job=job)
+    _ok(out)
+    assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
+    limit = QWEN35_JOBS[config] * 2**30
+    r0, r1 = records
+    assert r0["planned"] and r1["planned"] and r0["policy"] == r1["policy"]
+    assert any(keep for _i, keep, _s in r0["policy"])
+    assert r0["history"], "the first planned step was not measured"
+    for record in records:
+        for step in record["history"]:
+            assert step["measured_peak_bytes"] <= limit, step
+    log = out.stdout + out.stderr
+    assert "runs without activation checkpointing" in log  # the vision encoder: one policy, the decoder's blocks
+    assert "recompute 0.0 ms/step" not in log  # the limit is below the frontier's top: something is recomputed
 
 
 COMPILED_STEPS = 10

@@ -8,9 +8,10 @@
   ``torchtitan_common.settings``);
 - :class:`Trainer` and :func:`with_tapesac` (``trainer.py``): torchtitan's trainer, with
   ``tapesac`` among the command line's ``activation-checkpoint:`` choices;
-- ``config_registry.py``: config functions for ``--module torchtitan03_ext`` (a CPU debug job,
-  llama3 8B);
-- ``cpu_shim.py``: torchtitan 0.3 on a machine without an accelerator;
+- ``config_registry.py``: config functions for ``--module torchtitan03_ext`` (CPU debug jobs of
+  llama3 and Qwen3.5 dense and MoE, llama3 8B);
+- ``cpu_shim.py``: torchtitan 0.3 on a machine without an accelerator, and ``fla_cpu.py``:
+  Qwen3.5's flash-linear-attention kernels on CPU, as opaque to the dispatcher as on a GPU;
 - ``torch_compat.py``: what torchtitan 0.3.0 needs from torch that 2.13 lacks.
 
 Importing this package checks torchtitan's version (a clear error for any other than 0.3.x),

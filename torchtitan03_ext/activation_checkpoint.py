@@ -14,6 +14,7 @@ When the job compiles the model, TapeSAC runs in compiled mode: the trainer keep
 
 # No "from __future__ import annotations": tyro needs real types here.
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
@@ -85,13 +86,26 @@ class TapeSAC(ActivationCheckpointing):
     def __init__(self, config: "TapeSAC.Config", dump_folder: str = "") -> None:
         super().__init__(config, dump_folder)
         self.run = TapeSACRun(config)
+        self._applied_to: "weakref.ref[nn.Module] | None" = None
+        """The model this policy wrapped the blocks of (weak: the model holds the policy)."""
 
     @property
     def handle(self):
         return self.run.handle
 
     def apply(self, model: nn.Module) -> None:
-        """Wrap every transformer block of ``model.layers`` (the meta model, before FSDP2)."""
+        """Wrap every transformer block of ``model.layers`` (the meta model, before FSDP2).
+
+        A multimodal model's ``parallelize_fn`` applies the same policy to its vision encoder
+        after the model (Qwen3.5's does): a module inside a model this policy was applied to is
+        left as it is, so the decoder's blocks are the ones planned, and the encoder's memory,
+        when it runs, is part of the measured step.
+        """
+        root = self._applied_to() if self._applied_to is not None else None
+        if root is not None and any(module is model for module in root.modules()):
+            logger.info(f"TapeSAC plans the blocks of {type(root).__name__}.layers; {type(model).__name__} "
+                        "runs without activation checkpointing")
+            return
         layers = model.get_submodule("layers")
         blocks = [block for block in layers.children() if block is not None]
         name = self.config.model_name or type(model).__name__
@@ -100,6 +114,7 @@ class TapeSAC(ActivationCheckpointing):
             options = _compile_like_torchtitan(model, options)
         self.run.wrap(blocks, model=model, dump_folder=self.dump_folder, model_name=name, compile_options=options)
         model.__dict__[_APPLIED] = self
+        self._applied_to = weakref.ref(model)
         logger.debug(f"Applied TapeSAC to {len(blocks)} blocks of {name}")
 
 

@@ -7,6 +7,9 @@ command line, with TapeSAC's fields as ``--activation-checkpoint.<field>``.
 
 from __future__ import annotations
 
+import dataclasses
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.validate import Validator
 from torchtitan.config import TrainingConfig
 from torchtitan.config.configs import DebugConfig
@@ -37,6 +40,56 @@ def llama3_debug_cpu() -> Trainer.Config:
     config.debug = DebugConfig(seed=0)
     config.activation_checkpoint = TapeSAC.Config(budget=0.9, cpu_capacity_gib=0.1, warmup_steps=1)
     return config
+
+
+DEBUG_VOCAB_SIZE = 2048
+"""The vocabulary of the CPU debug jobs: torchtitan's llama3 debug model's, which holds every id
+of the offline tokenizer (``TOKENIZER_PATH``). Qwen3.5's debug models have Qwen3.5's 248,320,
+whose output layer alone takes most of a CPU step."""
+
+
+def _with_vocab(model_spec, vocab_size: int):
+    """``model_spec`` with a decoder whose embedding and output layer have ``vocab_size`` rows."""
+    model = model_spec.model
+    model = dataclasses.replace(
+        model, vocab_size=vocab_size,
+        tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=vocab_size),
+        lm_head=dataclasses.replace(model.lm_head, out_features=vocab_size))
+    return dataclasses.replace(model_spec, model=model)
+
+
+def _debug_cpu(model_spec, dump_folder: str, cpu_capacity_gib: float) -> Trainer.Config:
+    """``llama3_debug_cpu``'s job (offline data and tokenizer, two CPU ranks, TapeSAC planned
+    mode at budget 0.9) with another model, on a "device" of ``cpu_capacity_gib``: chosen so
+    that the limit falls inside the model's step frontier."""
+    config = llama3_debug_cpu()
+    config.activation_checkpoint.cpu_capacity_gib = cpu_capacity_gib
+    config.model_spec = _with_vocab(model_spec, DEBUG_VOCAB_SIZE)
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=DEBUG_VOCAB_SIZE))
+    config.dump_folder = dump_folder
+    return config
+
+
+def qwen35_debug_cpu() -> Trainer.Config:
+    """torchtitan's Qwen3.5 debug model (8 blocks of dim 256: gated-DeltaNet linear attention, full
+    attention every fourth block) on CPU ranks, text only, with the offline tokenizer's
+    vocabulary. Its flash-linear-attention kernels run as CPU stand-ins as opaque to TapeSAC as
+    the Triton kernels are on a GPU (``torchtitan03_ext.fla_cpu``)."""
+    from torchtitan.models.qwen3_5 import model_registry
+
+    # Step frontier (2026-12-05): 81.4 MiB with everything recomputed to 157.1 MiB; limit 119.8 MiB.
+    return _debug_cpu(model_registry("debugmodel"), "./outputs/qwen35_debug_cpu03", cpu_capacity_gib=0.13)
+
+
+def qwen35_moe_debug_cpu() -> Trainer.Config:
+    """torchtitan's Qwen3.5 MoE debug model (4 blocks, 8 routed experts of which 2 per token, and
+    a gated shared expert) on CPU ranks, as :func:`qwen35_debug_cpu`, under FSDP2 (expert
+    parallelism fails in replay with TapeSAC today: see docs/limits.md)."""
+    from torchtitan.models.qwen3_5 import model_registry
+
+    # Step frontier (2026-12-05): 112.4 MiB with everything recomputed to 156.5 MiB; limit 134.6 MiB.
+    return _debug_cpu(model_registry("debugmodel_moe", moe_comm_backend="standard"), "./outputs/qwen35_moe_debug_cpu03",
+                      cpu_capacity_gib=0.146)
 
 
 def llama3_8b() -> Trainer.Config:

@@ -11,8 +11,9 @@ jobs built from torchtitan's own ``Trainer.Config`` are untouched.
 
 # No "from __future__ import annotations": tyro needs real types here.
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import tyro
 from torchtitan import trainer as tt_trainer
@@ -55,9 +56,19 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
         compiled.check(config.activation_checkpoint, config.parallelism)
 
 
+TEXT_ONLY_SPECIAL_TOKENS = {"image_id": -1, "video_id": -1}
+"""What a text batch gives a multimodal model that reads vision token ids on every forward
+(Qwen3.5's ``Qwen35Model.forward`` reads ``special_tokens["image_id"]``): ids no token has, for
+a batch that has no vision input."""
+
+
 class Trainer(tt_trainer.Trainer):
     """torchtitan's trainer; with ``activation-checkpoint:tapesac`` it also reports TapeSAC's
-    numbers in torchtitan's metrics and a line under each step's log line (rank 0)."""
+    numbers in torchtitan's metrics and a line under each step's log line (rank 0).
+
+    It also trains a multimodal model on text batches: torchtitan's text dataloaders give no
+    ``special_tokens``, which Qwen3.5's forward needs even without images
+    (:meth:`post_dataloading_process`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(tt_trainer.Trainer.Config):
@@ -85,6 +96,16 @@ class Trainer(tt_trainer.Trainer):
         self.tapesac = take_applied(self.model_parts)
         if self.tapesac is not None:
             report_with_step_log(self.metrics_processor, _current_run)
+        self._text_only_tokens = "special_tokens" in inspect.signature(self.model_parts[0].forward).parameters
+
+    def post_dataloading_process(self, input_dict: dict[str, Any], labels: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """torchtitan's, plus :data:`TEXT_ONLY_SPECIAL_TOKENS` for a model whose forward takes
+        ``special_tokens`` when the batch has none (a text batch; a multimodal dataloader's
+        batch carries its own)."""
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        if self._text_only_tokens and "special_tokens" not in extra_kwargs:
+            extra_kwargs["special_tokens"] = dict(TEXT_ONLY_SPECIAL_TOKENS)
+        return inputs, labels, extra_kwargs
 
 
 def _compiled_by_tapesac(config: "Trainer.Config") -> "Trainer.Config":
