@@ -22,8 +22,9 @@ VOCAB = 512
 BLOCKS = 4
 
 
-def model(flavor: str, seed: int = 0):
-    """torchtitan's ``flavor`` config, cut to :data:`BLOCKS` blocks, built and initialised."""
+def model(flavor: str, seed: int = 0, device: str = "cpu"):
+    """torchtitan's ``flavor`` config, cut to :data:`BLOCKS` blocks, built and initialised (on
+    CPU, then moved to ``device``)."""
     cfg = qwen3_5_configs[flavor](attn_backend="flex")
     cfg.vocab_size = VOCAB
     cfg.tok_embeddings.num_embeddings = VOCAB
@@ -32,7 +33,7 @@ def model(flavor: str, seed: int = 0):
     torch.manual_seed(seed)
     net = cfg.build()
     net.init_states()
-    return net
+    return net.to(device)
 
 
 def batch(step: int, rows: int = 2, seq: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +60,14 @@ class _PartialDTensor:
 
 
 def train(net, steps: int, rows: int = 2, seq: int = 64):
+    device = next(net.parameters()).device
     """Per step (an AdamW step each): (loss, gradients by name)."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     out = []
     with _PartialDTensor():
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            tokens, positions = batch(step, rows, seq)
+            tokens, positions = (t.to(device) for t in batch(step, rows, seq))
             logits = net(tokens, attention_masks=net.get_attention_masks(positions), positions=positions,
                          special_tokens=dict(TEXT_ONLY_SPECIAL_TOKENS))
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())

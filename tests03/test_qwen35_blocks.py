@@ -125,3 +125,24 @@ def test_the_stand_ins_refuse_what_they_do_not_compute():
         fla_cpu.chunk_gated_delta_rule(t, t, t, t[..., 0], t[..., 0], initial_state=torch.zeros(1, 1, 2, 2))
     with pytest.raises(NotImplementedError, match="run this model on a GPU"):
         fla_cpu.causal_conv1d(torch.zeros(1, 4, 2), torch.zeros(2, 4), bias=torch.zeros(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla's Triton kernels")
+@pytest.mark.parametrize("flavor", sorted(SHAPES))
+def test_cuda_fla_kernels_are_recorded_launches_and_replay_only_is_exact(flavor):
+    """On a GPU the real fla kernels run: their launches are tape steps (recorder invariant 11),
+    replay relaunches them, and every step is bit-identical to plain autograd."""
+    def run(wrap: bool):
+        net = qwen35.model(flavor, device="cuda")
+        handle = tapesac.wrap(qwen35.blocks(net)) if wrap else None
+        try:
+            return handle, qwen35.train(net, STEPS, *SHAPES[flavor])
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    expected = run(False)[1]
+    handle, actual = run(True)
+    assert_same(expected, actual)
+    stats = handle.stats()
+    assert all(stats[i]["kernel_launches"] > 0 for i in range(qwen35.BLOCKS - 1)), stats

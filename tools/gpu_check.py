@@ -4,6 +4,8 @@
    blocks, dropout (CUDA generator state), in-place ops, with and without bf16 autocast; a planned
    step whose peak, read from the caching allocator, stays under its limit and matches the
    prediction within 5%.
+   With ``--python03`` (a Python with torchtitan 0.3 and fla-core): ``tests03/test_qwen35_blocks.py``
+   on CUDA, Qwen3.5's blocks with fla's real Triton kernels recorded as launches.
 2. ``tools/bench.py --device cuda --fsdp --bf16`` on torchtitan llama3 and qwen3 at realistic
    widths (dim 2048, 8 layers, 2 x 4096 tokens), FSDP2 on one GPU with bf16 mixed precision: no
    AC, torchtitan full AC and op SAC, TapeSAC replay-only and planned limits.
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--result", default="gpu_check.json")
     ap.add_argument("--test-timeout", type=int, default=200)
     ap.add_argument("--bench-timeout", type=int, default=240)
+    ap.add_argument("--python03", default=None,
+                    help="a Python with torchtitan 0.3 and fla-core: also run the Qwen3.5 CUDA tests")
     a = ap.parse_args()
 
     import torch
@@ -68,6 +72,10 @@ def main() -> None:
         tests["failed"] = [c.get("name") for c in suite.iter("testcase")
                            if c.find("failure") is not None or c.find("error") is not None]
     result["tests"] = tests
+    if a.python03:
+        rc, out, secs = run([a.python03, "-m", "pytest", "-q", "tests03/test_qwen35_blocks.py", "-k", "cuda"],
+                            a.test_timeout)
+        result["tests03"] = {"returncode": rc, "seconds": round(secs, 1), "tail": out[-4000:]}
 
     bench_json = tmp / "bench.json"
     rc, out, secs = run([sys.executable, "tools/bench.py", "--device", "cuda", "--fsdp", "--bf16",
