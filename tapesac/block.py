@@ -100,6 +100,8 @@ class BlockStats:
     unseen_bytes: int = 0
     kernel_launches: int = 0
     verified: bool = False
+    fingerprint_bytes: int = 0
+    """Bytes of the fingerprints the last forward holds for backward (verification forwards)."""
     followed: bool | None = None
     """None until the block's first recorded forward (``handle.stats()`` has no such key then)."""
     ops_unobserved: int | None = None
@@ -120,7 +122,7 @@ class BlockStats:
         self.ops_recorded = self.ops_in_closure = self.kept_bytes = self.input_bytes = 0
         self.unseen_bytes = self.kernel_launches = 0
         self.replay["ops_replayed"] = self.replay["recomputed_bytes"] = 0
-        self.passthrough, self.verified = True, False
+        self.passthrough, self.verified, self.fingerprint_bytes = True, False, 0
 
     def recorded(self, rec: Recorder, tape: Any, replayer: Replayer) -> None:
         """A forward recorded (or followed) ``tape``; ``replayer`` will replay it."""
@@ -136,6 +138,7 @@ class BlockStats:
         self.unseen_bytes = replayer.unseen_bytes()
         self.kernel_launches = rec.kernel_launches
         self.verified = rec.verify
+        self.fingerprint_bytes = replayer.fingerprint_bytes()
 
     def as_dict(self) -> dict[str, Any]:
         """The public form (keys in the order ``handle.stats()`` has always listed them)."""
@@ -145,7 +148,8 @@ class BlockStats:
                "recomputed_bytes": self.replay["recomputed_bytes"], "signature": self.signature,
                "passthrough": self.passthrough, "compiled": self.compiled,
                "off_tape_bytes": self.off_tape_bytes, "unseen_bytes": self.unseen_bytes,
-               "kernel_launches": self.kernel_launches, "verified": self.verified}
+               "kernel_launches": self.kernel_launches, "verified": self.verified,
+               "fingerprint_bytes": self.fingerprint_bytes}
         if self.followed is not None:
             out["followed"] = self.followed
             out["ops_unobserved"] = self.ops_unobserved

@@ -223,6 +223,11 @@ class Replayer(Verification):
                 seen[_storage_ptr(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
+    def fingerprint_bytes(self) -> int:
+        """Bytes of the fingerprints a verification forward holds until backward (invariant R6):
+        TapeSAC's own memory, alive with the kept values."""
+        return sum(fp.untyped_storage().nbytes() for fp in self.fingerprints.values()) if self.fingerprints else 0
+
     def input_bytes(self) -> int:
         """Bytes of distinct non-parameter external storages held (the block's checkpoint)."""
         seen: dict[int, int] = {}

@@ -137,15 +137,9 @@ def test_nothing_recorded_or_recomputed_survives_backward_without_gc(kind):
         gc.enable()
 
 
-def _run_counted(case, wrap: bool, keep_p: float | None = None):
-    """Forward with a storage counter: (live bytes after forward, allocated during backward)."""
-    handle = tapesac.wrap(case.blocks) if wrap else None
-    if wrap and keep_p is not None:
-        grads(case)
-        policy = Policy({i: BlockPolicy(t.signature(), [t.position(v) for j, v in enumerate(t.read_vids())
-                                                          if j % 2 == 0])
-                         for i, t in handle.tapes().items()})
-        handle.set_policy(policy)
+def _run_counted(case, handle, keep_p: float | None = None):
+    """One step with a storage counter: (live bytes after forward, bytes of the blocks' outputs,
+    allocated during backward)."""
     case.model.zero_grad(set_to_none=True)
     counter = StorageCounter()
     torch.manual_seed(0)
@@ -159,7 +153,13 @@ def _run_counted(case, wrap: bool, keep_p: float | None = None):
     for h in hooks:
         h.remove()
     out_bytes = sum({o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outputs}.values())
-    return after_forward, out_bytes, counter.allocated_bytes, handle
+    return after_forward, out_bytes, counter.allocated_bytes
+
+
+def _keep_every_other(handle) -> None:
+    handle.set_policy(Policy({i: BlockPolicy(t.signature(), [t.position(v) for j, v in enumerate(t.read_vids())
+                                                               if j % 2 == 0])
+                              for i, t in handle.tapes().items()}))
 
 
 def test_kept_and_recomputed_bytes_match_storage_counting():
@@ -179,20 +179,33 @@ def test_kept_and_recomputed_bytes_match_storage_counting():
         case.inputs = [h0]
         return case
 
-    live0, out0, alloc0, _ = _run_counted(blocks_only(), wrap=False)
+    live0, out0, alloc0 = _run_counted(blocks_only(), None)
     for keep_p in (None, 0.5):
-        live, out_bytes, alloc, handle = _run_counted(blocks_only(), wrap=True, keep_p=keep_p)
-        stats = handle.stats()
-        kept = sum(s["kept_bytes"] for s in stats.values())
-        # After forward only block outputs (each the next block's input) and kept values live.
-        assert live == out_bytes + kept
-        if keep_p is None:
-            assert kept == 0
-        else:
-            assert kept > 0
-        # Backward allocates what no-AC backward allocates plus exactly what replay rebuilt.
-        assert alloc - alloc0 == sum(s["recomputed_bytes"] for s in stats.values())
-        assert live < live0
+        case = blocks_only()
+        handle = tapesac.wrap(case.blocks)
+        if keep_p is not None:
+            grads(case)
+            _keep_every_other(handle)
+        # A program's first forward verifies: it also holds a fingerprint per saved value, and
+        # its backward fingerprints what replay rebuilt. Later forwards follow the verified tape.
+        for verifying in (True, False):
+            live, out_bytes, alloc = _run_counted(case, handle)
+            stats = handle.stats()
+            assert all(s["verified"] == verifying for s in stats.values()), stats
+            kept = sum(s["kept_bytes"] for s in stats.values())
+            fingerprints = sum(s["fingerprint_bytes"] for s in stats.values())
+            assert (fingerprints > 0) == verifying, stats
+            # After forward only block outputs (each the next block's input), kept values and
+            # the fingerprints are live.
+            assert live == out_bytes + kept + fingerprints
+            if keep_p is None:
+                assert kept == 0
+            else:
+                assert kept > 0
+            assert live < live0
+            if not verifying:
+                # Backward allocates what no-AC backward allocates plus exactly what replay rebuilt.
+                assert alloc - alloc0 == sum(s["recomputed_bytes"] for s in stats.values())
 
 
 def test_debug_mode_checks_every_replayed_value():
