@@ -185,6 +185,10 @@ class Recorder(ValueMap, UnseenWrites, Following, SegmentRunning, _Mode):
         if not vids:
             return
         values = self.tape.values
+        if self._fresh:
+            # Held by this very op (an unwritten value it reads before writing it, invariant 10):
+            # not yet settled, and never to be, since the original is about to change.
+            self._fresh = [(vid, ref) for vid, ref in self._fresh if vid not in vids]
         for vid in vids:
             v = values[vid]
             # Either way the held value no longer aliases the tensor the caller sees: nothing to

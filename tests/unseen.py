@@ -74,6 +74,23 @@ class EmptyBlock(nn.Module):
         return x + self.lin(buf * self.g).relu()
 
 
+class UnpermuteBlock(nn.Module):
+    """An MoE token dispatcher's un-permute (torchtitan 0.3's ``_unpermute``): ``new_empty``
+    scattered into by ``index_put_``, then read. The buffer is unwritten when the scatter reads
+    it, so it is held there, just before the scatter writes it."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        routed = self.lin(x).reshape(-1, x.shape[-1])
+        order = torch.arange(routed.shape[0]).flip(0)
+        out = routed.new_empty(routed.shape)
+        out[order, :] = routed
+        return x + (out * out).tanh().reshape(x.shape)
+
+
 class StridedBlock(nn.Module):
     """An ``empty_strided`` buffer filled through its data pointer (ctypes), read through a view."""
 
@@ -384,6 +401,7 @@ class Stack(nn.Module):
 BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "function_empty_like": FunctionBlock,
     "plain_empty": EmptyBlock,
+    "unpermute_new_empty": UnpermuteBlock,
     "strided_data_ptr_view": StridedBlock,
     "inplace_scale": ScaleInPlaceBlock,
     "scale_after_save": ScaleAfterSaveBlock,
