@@ -57,7 +57,8 @@ class Value:
                  nbytes: int, shape: tuple, dtype: torch.dtype, free: bool) -> None:
         self.vid = vid
         self.op = op
-        """Index of the producing op, -1 for externals and snapshots."""
+        """Index of the producing op; -1 for externals and snapshots of externals (a snapshot of a
+        produced value keeps its producer's index and slot)."""
         self.slot = slot
         """Position among the op's values: flattened returns first, then written arguments."""
         self.kind = kind
@@ -268,15 +269,16 @@ class Tape:
     def signature_lines(self) -> list[str]:
         """What :meth:`signature` hashes, one readable line per op: ``name(args, kwargs)->dtypes``.
 
-        Produced values appear as ``%op.slot``, externals as ``$e<n>[shape]dtype`` numbered by
-        first use; comparing two tapes' lines shows the first op where they part.
+        Produced values (and snapshots of them) appear as ``%op.slot``, externals as
+        ``$e<n>[shape]dtype`` numbered by first use; comparing two tapes' lines shows the first op
+        where they part.
         """
         ext_index: dict[int, int] = {}
         values = self.values
 
         def ref(r: Ref) -> str:
             v = values[r.vid]
-            if v.kind == PRODUCED:
+            if v.op >= 0:  # produced, or a snapshot of a produced value: where it was made
                 return f"%{v.op}.{v.slot}"
             n = ext_index.setdefault(r.vid, len(ext_index))
             return f"$e{n}{_external_shape(v)}{v.dtype}"
