@@ -69,11 +69,20 @@ QWEN35_JOBS = {"qwen35_debug_cpu": 0.13 * 0.9, "qwen35_moe_debug_cpu": 0.146 * 0
 inside its step frontier (``torchtitan03_ext.config_registry``)."""
 
 
-@pytest.mark.parametrize("config", sorted(QWEN35_JOBS))
-def test_two_rank_qwen35_runs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, config):
+EXPERT_PARALLEL = ("--parallelism.expert_parallel_degree", "2")
+
+
+@pytest.mark.parametrize("config, parallel", [
+    ("qwen35_debug_cpu", ()),
+    ("qwen35_moe_debug_cpu", ()),
+    ("qwen35_moe_debug_cpu", EXPERT_PARALLEL),
+], ids=["dense", "moe", "moe-ep2"])
+def test_two_rank_qwen35_runs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, config, parallel):
     """Qwen3.5 (gated DeltaNet with fla's kernels as opaque CPU stand-ins, full attention every
-    fourth block; dense and MoE) on two FSDP2 ranks, each rank packing its own documents."""
-    job = ("--module", "torchtitan03_ext", "--config", config)
+    fourth block; dense and MoE) on two FSDP2 ranks, each rank packing its own documents. With
+    expert parallelism the ranks route their tokens to each other's experts: each rank's block
+    sees its own number of tokens per expert, and both run one program."""
+    job = ("--module", "torchtitan03_ext", "--config", config, *parallel)
     out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job)
     _ok(out)
     out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", job=job)

@@ -83,8 +83,8 @@ def qwen35_debug_cpu() -> Trainer.Config:
 
 def qwen35_moe_debug_cpu() -> Trainer.Config:
     """torchtitan's Qwen3.5 MoE debug model (4 blocks, 8 routed experts of which 2 per token, and
-    a gated shared expert) on CPU ranks, as :func:`qwen35_debug_cpu`, under FSDP2 (expert
-    parallelism fails in replay with TapeSAC today: see docs/limits.md)."""
+    a gated shared expert) on CPU ranks, as :func:`qwen35_debug_cpu`, under FSDP2; add
+    ``--parallelism.expert_parallel_degree 2`` for expert parallelism across the two ranks."""
     from torchtitan.models.qwen3_5 import model_registry
 
     # Step frontier (2026-12-05): 112.4 MiB with everything recomputed to 156.5 MiB; limit 134.6 MiB.
