@@ -64,41 +64,49 @@ def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp
     assert policy["meta"]["world_size"] == 2 and policy["meta"]["model"] == "llama3/debugmodel"
 
 
-QWEN35_JOBS = {"qwen35_debug_cpu": 0.13 * 0.9, "qwen35_moe_debug_cpu": 0.146 * 0.9}
-"""Qwen3.5's CPU debug jobs and their own limits in GiB (budget 0.9 of the job's "device"), each
-inside its step frontier (``torchtitan03_ext.config_registry``)."""
-
-
 EXPERT_PARALLEL = ("--parallelism.expert_parallel_degree", "2")
+MODEL_JOBS = {
+    "qwen35-dense": ("qwen35_debug_cpu", (), None, 0.13 * 0.9),
+    "qwen35-moe": ("qwen35_moe_debug_cpu", (), None, 0.146 * 0.9),
+    "qwen35-moe-ep2": ("qwen35_moe_debug_cpu", EXPERT_PARALLEL, None, 0.146 * 0.9),
+    "qwen3-moe-ep2": ("qwen3_moe_debug_cpu", EXPERT_PARALLEL, None, 0.24 * 0.9),
+    "deepseek_v3": ("deepseek_v3_debug_cpu", (), None, 0.5 * 0.9),
+    # TP 2 with sequence parallelism: step frontier 56.5 to 81.0 MiB (2026-12-06); limit 66.6 MiB.
+    "llama3-tp2": ("llama3_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.065, 0.065),
+}
+"""Jobs of the 0.3 model families and parallelisms: config, parallelism, ``limit_gib`` given to
+TapeSAC (None: budget 0.9 of the job's "device") and the limit in GiB that results, each limit inside its step frontier
+(``torchtitan03_ext.config_registry``)."""
 
 
-@pytest.mark.parametrize("config, parallel", [
-    ("qwen35_debug_cpu", ()),
-    ("qwen35_moe_debug_cpu", ()),
-    ("qwen35_moe_debug_cpu", EXPERT_PARALLEL),
-], ids=["dense", "moe", "moe-ep2"])
-def test_two_rank_qwen35_runs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, config, parallel):
+@pytest.mark.parametrize("name", sorted(MODEL_JOBS))
+def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, name):
     """Qwen3.5 (gated DeltaNet with fla's kernels as opaque CPU stand-ins, full attention every
-    fourth block; dense and MoE) on two FSDP2 ranks, each rank packing its own documents. With
-    expert parallelism the ranks route their tokens to each other's experts: each rank's block
-    sees its own number of tokens per expert, and both run one program."""
+    fourth block; dense and MoE), qwen3 MoE and DeepSeek-V3 on two FSDP2 ranks, each rank packing
+    its own documents, and llama3 with its blocks' weights and activations split over the two
+    ranks (TP with sequence parallelism). With expert parallelism the ranks route their tokens to each other's
+    experts: each rank's blocks see their own number of tokens per expert, and both ranks run one
+    program."""
+    config, parallel, given_limit, limit_gib = MODEL_JOBS[name]
     job = ("--module", "torchtitan03_ext", "--config", config, *parallel)
     out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job)
     _ok(out)
-    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", job=job)
+    limit_args = () if given_limit is None else ("--activation-checkpoint.limit_gib", str(given_limit))
+    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", *limit_args, job=job)
     _ok(out)
     assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
-    limit = QWEN35_JOBS[config] * 2**30
     r0, r1 = records
     assert r0["planned"] and r1["planned"] and r0["policy"] == r1["policy"]
     assert any(keep for _i, keep, _s in r0["policy"])
     assert r0["history"], "the first planned step was not measured"
     for record in records:
         for step in record["history"]:
-            assert step["measured_peak_bytes"] <= limit, step
+            assert step["measured_peak_bytes"] <= limit_gib * 2**30, step
     log = out.stdout + out.stderr
-    assert "runs without activation checkpointing" in log  # the vision encoder: one policy, the decoder's blocks
+    assert f"TapeSAC plan: limit {limit_gib * 1024:.1f} MiB" in log
     assert "recompute 0.0 ms/step" not in log  # the limit is below the frontier's top: something is recomputed
+    if config.startswith("qwen35"):
+        assert "runs without activation checkpointing" in log  # the vision encoder: one policy, the decoder's blocks
 
 
 COMPILED_STEPS = 10

@@ -21,6 +21,12 @@ from .activation_checkpoint import TapeSAC
 from .trainer import Trainer, with_tapesac
 
 
+QWEN3_MOE_CAPACITY = 0.24
+"""Step frontier (2026-12-06, FSDP2): 175.7 MiB with everything recomputed to 264.8 MiB; limit 221.2 MiB."""
+DEEPSEEK_V3_CAPACITY = 0.5
+"""Step frontier (2026-12-06, FSDP2): 346.4 MiB with everything recomputed to 571.5 MiB; limit 460.8 MiB."""
+
+
 def llama3_debug_cpu() -> Trainer.Config:
     """torchtitan's llama3 debug model (6 blocks, dim 256) on CPU ranks (FSDP2 over gloo), TapeSAC
     planned mode, offline data; 8 steps of 2 x 256 tokens per rank.
@@ -90,6 +96,38 @@ def qwen35_moe_debug_cpu() -> Trainer.Config:
     # Step frontier (2026-12-05): 112.4 MiB with everything recomputed to 156.5 MiB; limit 134.6 MiB.
     return _debug_cpu(model_registry("debugmodel_moe", moe_comm_backend="standard"), "./outputs/qwen35_moe_debug_cpu03",
                       cpu_capacity_gib=0.146)
+
+
+def qwen3_moe_debug_cpu() -> Trainer.Config:
+    """torchtitan's qwen3 MoE debug model on CPU ranks, as :func:`llama3_debug_cpu` with the
+    offline tokenizer's vocabulary; add ``--parallelism.expert_parallel_degree 2`` for expert
+    parallelism across the two ranks."""
+    return _debug_cpu(_qwen3_moe_small(), "./outputs/qwen3_moe_debug_cpu03", cpu_capacity_gib=QWEN3_MOE_CAPACITY)
+
+
+def _qwen3_moe_small():
+    """torchtitan's qwen3 ``debugmodel_moe`` (8 blocks, 64 experts of which 8 per token: about 20 s
+    a step on two CPU ranks) cut to the 0.2.x debug flavor ``debugmodel_moe_small``'s size: 4
+    blocks, 8 experts of which 2 per token, built by torchtitan's own builder of its layers."""
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, model_registry
+
+    spec = model_registry("debugmodel_moe", moe_comm_backend="standard")
+    attention = spec.model.layers[0].attention
+    layers = _build_qwen3_moe_layers(
+        n_layers=4, dim=spec.model.dim, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads,
+        head_dim=attention.head_dim, moe_hidden_dim=256, num_experts=8, top_k=2, attn_backend="flex",
+        moe_comm_backend="standard", rope=attention.rope)
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers))
+
+
+def deepseek_v3_debug_cpu() -> Trainer.Config:
+    """torchtitan's DeepSeek-V3 debug model (multi-head latent attention, MoE blocks after a dense
+    first block) on CPU ranks, as :func:`llama3_debug_cpu` with the offline tokenizer's
+    vocabulary."""
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    return _debug_cpu(model_registry("debugmodel"), "./outputs/deepseek_v3_debug_cpu03",
+                      cpu_capacity_gib=DEEPSEEK_V3_CAPACITY)
 
 
 def llama3_8b() -> Trainer.Config:
