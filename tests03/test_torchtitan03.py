@@ -65,6 +65,8 @@ def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp
 
 
 EXPERT_PARALLEL = ("--parallelism.expert_parallel_degree", "2")
+PIPELINE_PARALLEL = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4")
+
 MODEL_JOBS = {
     "qwen35-dense": ("qwen35_debug_cpu", (), None, 0.13 * 0.9),
     "qwen35-moe": ("qwen35_moe_debug_cpu", (), None, 0.146 * 0.9),
@@ -73,6 +75,17 @@ MODEL_JOBS = {
     "deepseek_v3": ("deepseek_v3_debug_cpu", (), None, 0.5 * 0.9),
     # TP 2 with sequence parallelism: step frontier 56.5 to 81.0 MiB (2026-12-06); limit 66.6 MiB.
     "llama3-tp2": ("llama3_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.065, 0.065),
+    # PP 2, four micro-batches of one sequence; torchtitan's llama3 debug schedule, Interleaved1F1B
+    # (two stages a rank, one handle): step frontier 69.7-103.9 MiB (stages 0+2) and 73.2-101.1 MiB
+    # (1+3); 1F1B: 68.2-96.8 MiB (stage 0) and 71.2-85.8 MiB (stage 1) (2026-12-06).
+    "llama3-pp2": ("llama3_debug_cpu", PIPELINE_PARALLEL, 0.08, 0.08),
+    "llama3-pp2-1f1b": ("llama3_debug_cpu", (*PIPELINE_PARALLEL, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+                        0.075, 0.075),
+    # MoE under PP: the stages' shape inference must leave the routed-token counts as they were
+    # (torchtitan03_ext.torch_compat, 4). 1F1B frontier 114.7-147.8 MiB (stage 0), 104.6-118.4 MiB
+    # (stage 1) (2026-12-06).
+    "qwen35-moe-pp2": ("qwen35_moe_debug_cpu", (*PIPELINE_PARALLEL, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+                       0.113, 0.113),
 }
 """Jobs of the 0.3 model families and parallelisms: config, parallelism, ``limit_gib`` given to
 TapeSAC (None: budget 0.9 of the job's "device") and the limit in GiB that results, each limit inside its step frontier
@@ -84,10 +97,12 @@ def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_p
     """Qwen3.5 (gated DeltaNet with fla's kernels as opaque CPU stand-ins, full attention every
     fourth block; dense and MoE), qwen3 MoE and DeepSeek-V3 on two FSDP2 ranks, each rank packing
     its own documents, and llama3 with its blocks' weights and activations split over the two
-    ranks (TP with sequence parallelism). With expert parallelism the ranks route their tokens to each other's
-    experts: each rank's blocks see their own number of tokens per expert, and both ranks run one
-    program."""
+    ranks (TP with sequence parallelism) or over two pipeline stages (PP; each stage plans its own
+    blocks, and under Interleaved1F1B a rank's two stages plan as one). With expert parallelism
+    the ranks route their tokens to each other's experts: each rank's blocks see their own number
+    of tokens per expert, and both ranks run one program."""
     config, parallel, given_limit, limit_gib = MODEL_JOBS[name]
+    pipelined = PIPELINE_PARALLEL[0] in parallel
     job = ("--module", "torchtitan03_ext", "--config", config, *parallel)
     out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job)
     _ok(out)
@@ -96,9 +111,19 @@ def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_p
     _ok(out)
     assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
     r0, r1 = records
-    assert r0["planned"] and r1["planned"] and r0["policy"] == r1["policy"]
-    assert any(keep for _i, keep, _s in r0["policy"])
-    assert r0["history"], "the first planned step was not measured"
+    assert r0["planned"] and r1["planned"]
+    for record in records if pipelined else records[:1]:  # pipeline stages plan apart
+        assert any(keep for _i, keep, _s in record["policy"])
+        assert record["history"], "the first planned step was not measured"
+    if pipelined:
+        # Rank 0 holds the first stage (its loss reads -1), rank 1 the last: every loss after the
+        # first depends on both stages' gradients.
+        assert set(r0["losses"]) == {"-0x1.0000000000000p+0"}
+        stages = ("0", "1") if "1F1B" in parallel else ("0+2", "1+3")
+        assert {p.name for p in (tmp_path / "tapesac_dump" / "tapesac").glob("policy*.json")} == {
+            f"policy.pp{stage}.json" for stage in stages}
+    else:
+        assert r0["policy"] == r1["policy"]  # rank 0 planned, every rank applies its plan
     for record in records:
         for step in record["history"]:
             assert step["measured_peak_bytes"] <= limit_gib * 2**30, step
@@ -164,6 +189,9 @@ def test_two_rank_fsdp_compiled_run_fits_its_limit_and_matches_compile_without_a
      "runs under FSDP2 and data parallelism only"),
     (["--training.no-disable-cuda-graphs"], "set --training.disable_cuda_graphs"),
     (["--parallelism.spmd_backend", "spmd_types"], "set --parallelism.spmd_backend partial_dtensor"),
+    (["--parallelism.context_parallel_degree", "2"], "TapeSAC does not support context parallelism"),
+    ([*PIPELINE_PARALLEL, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "set parallelism.pipeline_parallel_schedule to one of those"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, args, message):
     out, records = run_titan(tmp_path, "bad", *args, steps=2)

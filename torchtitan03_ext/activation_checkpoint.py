@@ -6,6 +6,11 @@ parallelism and before ``fully_shard``. :class:`TapeSAC` wraps the blocks of ``m
 there, exactly as torchtitan 0.2.x's ``tapesac`` converter does (``torchtitan_common.run``):
 FSDP2 shards around the wrappers, rank 0 plans and broadcasts.
 
+Under pipeline parallelism torchtitan 0.3 splits the model first and then runs ``parallelize_fn``
+on each of this rank's stages, each with a policy of its own. The trainer builds one policy for
+all of them, which wraps their blocks right after the split (:meth:`TapeSAC.apply_to_stages`, as
+the 0.2.x converter does); the per-stage policies find their stage wrapped and leave it.
+
 When the job compiles the model, TapeSAC runs in compiled mode: the trainer keeps torchtitan's
 ``apply_compile`` off the blocks and hands torch.compile's arguments to the policy
 (``Config.compile_options``), which sets up compilation as ``apply_compile`` would
@@ -23,7 +28,7 @@ from torch import nn
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 from torchtitan.tools.logging import logger
 
-from torchtitan_common.run import Registry, TapeSACRun
+from torchtitan_common.run import PipelineStage, Registry, TapeSACRun
 from torchtitan_common.settings import TapeSACSettings
 
 _RUNS = Registry()
@@ -101,6 +106,11 @@ class TapeSAC(ActivationCheckpointing):
         left as it is, so the decoder's blocks are the ones planned, and the encoder's memory,
         when it runs, is part of the measured step.
         """
+        if model.__dict__.get(_APPLIED, self) is not self:
+            # A pipeline stage: wrapped with this rank's other stages when torchtitan split the
+            # model, by the policy the trainer built for them (apply_to_stages).
+            self._applied_to = weakref.ref(model)
+            return
         root = self._applied_to() if self._applied_to is not None else None
         if root is not None and any(module is model for module in root.modules()):
             logger.info(f"TapeSAC plans the blocks of {type(root).__name__}.layers; {type(model).__name__} "
@@ -116,6 +126,25 @@ class TapeSAC(ActivationCheckpointing):
         model.__dict__[_APPLIED] = self
         self._applied_to = weakref.ref(model)
         logger.debug(f"Applied TapeSAC to {len(blocks)} blocks of {name}")
+
+    def apply_to_stages(self, parts: "list[nn.Module]", stage: PipelineStage) -> None:
+        """Wrap the blocks of this rank's pipeline stages ``parts`` under one handle, planned as
+        ``stage`` (on the meta parts, right after torchtitan splits the model and before it
+        parallelises them: ``torchtitan_common.pipeline``). The trainer builds this policy for
+        them; the policy torchtitan then builds and applies to each part in ``parallelize_fn``
+        finds the part wrapped and leaves it (and a vision encoder in it) as it is (:meth:`apply`).
+        """
+        blocks = [block for part in parts if getattr(part, "layers", None) is not None
+                  for block in part.layers.children() if block is not None]
+        name = self.config.model_name or type(parts[0]).__name__
+        options = self.config.compile_options
+        if options is not None:
+            options = _compile_like_torchtitan(parts[0], options)
+        self.run.wrap(blocks, model=parts, dump_folder=self.dump_folder, model_name=name, stage=stage,
+                      compile_options=options)
+        for part in parts:
+            part.__dict__[_APPLIED] = self
+        logger.debug(f"Applied TapeSAC to {len(blocks)} blocks of pipeline stage {stage.name} of {name}")
 
 
 def _compile_like_torchtitan(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from typing import Annotated, Any
 import tyro
 from torchtitan import trainer as tt_trainer
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig as TorchtitanAC
+from torchtitan.distributed import pipeline_parallel
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
 from tapesac.errors import ConfigError
-from torchtitan_common import compiled
+from torchtitan_common import compiled, pipeline
 from torchtitan_common.errors import exit_with
 from torchtitan_common.run import TapeSACRun, report_with_step_log
 
@@ -38,7 +39,10 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
     ``spmd_types`` annotations (torch >= 2.14; torch 2.13's ``fully_shard`` refuses its plain
     parameters) and is untested with TapeSAC; under ``full_dtensor`` the blocks' activations are
     DTensors and a planned step fails in replay (``aten.set_`` has no DTensor sharding strategy).
-    A compiled model runs TapeSAC's compiled mode, under its refusals (``torchtitan_common.compiled``).
+    Context parallelism is refused, as on 0.2.x; pipeline parallelism runs under the schedules
+    of ``torchtitan_common.pipeline`` with the models whose stages torchtitan's ``pipeline_llm``
+    makes. A compiled model runs TapeSAC's compiled mode, under its refusals
+    (``torchtitan_common.compiled``).
     """
     if not config.training.disable_cuda_graphs:
         raise ConfigError(
@@ -49,11 +53,27 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
             f"parallelism.spmd_backend is '{config.parallelism.spmd_backend}', but TapeSAC runs with "
             "'partial_dtensor' only (DTensor for model-parallel axes, as in torchtitan 0.2): set "
             "--parallelism.spmd_backend partial_dtensor")
-    if config.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError("TapeSAC does not support pipeline parallelism yet: set "
-                          "--parallelism.pipeline_parallel_degree 1")
+    par = config.parallelism
+    if par.context_parallel_degree > 1:
+        # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
+        # ring collectives the recorder cannot replay per shard.
+        raise ConfigError(
+            f"TapeSAC does not support context parallelism (parallelism.context_parallel_degree = "
+            f"{par.context_parallel_degree}): set --parallelism.context_parallel_degree 1")
+    if par.pipeline_parallel_degree > 1:
+        fix = "or choose another activation-checkpoint: subcommand"
+        pipeline.check_schedule(par, fix)
+        if config.model_spec is not None:
+            pipeline.check_split(config.model_spec.pipelining_fn, pipeline_fns(), config.model_spec.name, fix)
     if compiled.compiles_blocks(config.compile):
         compiled.check(config.activation_checkpoint, config.parallelism)
+
+
+def pipeline_fns() -> tuple:
+    """torchtitan 0.3's ``pipelining_fn`` of its decoder models that split with
+    ``_pipeline_module_split`` (``pipeline_vlm`` moves the vision encoder into the first stage,
+    then calls ``pipeline_llm``), whose stages TapeSAC wraps (``TapeSAC.apply_to_stages``)."""
+    return pipeline_parallel.pipeline_llm, pipeline_parallel.pipeline_vlm
 
 
 TEXT_ONLY_SPECIAL_TOKENS = {"image_id": -1, "video_id": -1}
@@ -91,6 +111,10 @@ class Trainer(tt_trainer.Trainer):
                 exit_with(e)
             if compiled.compiles_blocks(config.compile):
                 config = _compiled_by_tapesac(config)
+            if config.parallelism.pipeline_parallel_degree > 1:
+                stages_policy = config.activation_checkpoint.build(dump_folder=config.dump_folder)
+                pipeline.wrap_after_split(pipeline_parallel, "_pipeline_module_split", stages_policy,
+                                          TapeSAC.apply_to_stages)
         super().__init__(config)
         # The TapeSAC policy applied to this model in parallelize_fn (None with another choice).
         self.tapesac = take_applied(self.model_parts)

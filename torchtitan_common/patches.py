@@ -17,7 +17,8 @@ A torchtitan job's trainer is built once per process; these last until it is bui
   step's metrics and log line through that processor's ``log`` (``torchtitan_common.run``).
 * ``torchtitan.distributed.pipeline_parallel.pipeline_module_split`` (``torchtitan_ext.converter``,
   under pipeline parallelism): from the converter's ``convert`` until the trainer's one split,
-  whose stages are then wrapped.
+  whose stages are then wrapped (``torchtitan_common.pipeline``). On 0.3.x the same for
+  ``_pipeline_module_split``, from the start of the trainer's ``__init__`` (``torchtitan03_ext.trainer``).
 * The policy applied in torchtitan 0.3's ``parallelize_fn`` waits on the model part it was applied
   to until its trainer takes it, right after (``torchtitan03_ext.activation_checkpoint``):
   torchtitan drops the policy once applied.
@@ -45,7 +46,8 @@ asks for what needs them, each once:
   model calls (``torchtitan03_ext.fla_cpu``: stand-ins whose forwards write unseen, as the
   Triton kernels do).
 * torchtitan 0.3.x with torch 2.13 (``torchtitan03_ext.torch_compat``):
-  ``torch.distributed.set_timeout``.
+  ``torch.distributed.set_timeout``, and the ``step`` of ``PipelineScheduleSingle`` and
+  ``PipelineScheduleMulti`` (torchtitan hands them a step's micro-batches as made).
 * Compiled mode: ``torch._dynamo.config.capture_scalar_outputs`` (both front doors) and
   ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (0.3.x), as torchtitan's ``apply_compile``
   sets them; torchtitan 0.3's ``_maybe_check_max_pos`` in every torchtitan module that holds it

@@ -5,18 +5,15 @@ torchtitan runs converters on the meta model, before parallelisation. The conver
 job there (clear errors before any work) and wraps each block of ``model.layers`` (how that
 survives FSDP2, and what runs where: ``torchtitan_common.run``).
 
-Under pipeline parallelism the model is split into stages after the converters ran (each stage a
-deep copy of the whole meta model with the other stages' modules removed), so the converter
-wraps later: right after torchtitan's ``pipeline_module_split``, still on the meta model parts
-and before they are parallelised, all blocks of this rank's stages under one handle. Stages hold
-different blocks, so each stage plans on its own (``torchtitan_common.run.PipelineStage``).
+Under pipeline parallelism the model is split into stages after the converters ran, so the
+converter wraps later, right after torchtitan's ``pipeline_module_split``
+(``torchtitan_common.pipeline``).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -24,7 +21,7 @@ from torch import nn
 
 import tapesac
 from tapesac.errors import ConfigError
-from torchtitan_common import compiled
+from torchtitan_common import compiled, pipeline
 from torchtitan_common.errors import exit_with
 from torchtitan_common.patches import until_first_call
 from torchtitan_common.run import PipelineStage, Registry, TapeSACRun, memory_limit_bytes, report_with_step_log
@@ -61,29 +58,13 @@ def validate(job_config: Any, parallel_dims: Any = None) -> Any:
             "(CLI: --parallelism.context_parallel_degree 1), or remove \"tapesac\" from model.converters"
         )
     if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
-        par = job_config.parallelism
-        schedule = par.pipeline_parallel_schedule
-        if par.pipeline_parallel_schedule_csv or schedule.lower() not in {s.lower() for s in PP_SCHEDULES}:
-            what = (f"pipeline_parallel_schedule_csv = {par.pipeline_parallel_schedule_csv!r}"
-                    if par.pipeline_parallel_schedule_csv else f"pipeline_parallel_schedule = {schedule!r}")
-            raise ConfigError(
-                f"TapeSAC supports the pipeline schedules {', '.join(PP_SCHEDULES)}; parallelism.{what} "
-                "is not one of them (zero-bubble schedules split backward into input and weight passes, "
-                "which TapeSAC does not replay): set parallelism.pipeline_parallel_schedule to one of those"
-            )
-        split = _pipelining_fn(job_config.model.name)
-        if split is not None and not _is_pipeline_llm(split):
-            raise ConfigError(
-                f"model {job_config.model.name} splits its pipeline stages with its own "
-                f"{getattr(split, '__qualname__', split)}, and TapeSAC wraps the stages that torchtitan's "
-                "pipeline_llm makes: set parallelism.pipeline_parallel_degree = 1, or remove \"tapesac\" "
-                "from model.converters"
-            )
+        fix = 'or remove "tapesac" from model.converters'
+        pipeline.check_schedule(job_config.parallelism, fix)
+        pipeline.check_split(_pipelining_fn(job_config.model.name), (_pipeline_llm(),), job_config.model.name, fix)
     return cfg
 
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""Pipeline schedules TapeSAC runs under: each micro-batch's backward is one autograd pass."""
+PP_SCHEDULES = pipeline.SCHEDULES
 
 
 def _pipelining_fn(model_name: str) -> Any:
@@ -95,10 +76,10 @@ def _pipelining_fn(model_name: str) -> Any:
         return None
 
 
-def _is_pipeline_llm(fn: Any) -> bool:
+def _pipeline_llm() -> Any:
     from torchtitan.distributed import pipeline_parallel
 
-    return fn is pipeline_parallel.pipeline_llm
+    return pipeline_parallel.pipeline_llm
 
 
 _CONVERTERS = Registry()
@@ -177,28 +158,13 @@ class TapeSACConverter:
 
 
 def _wrap_after_pipeline_split(converter: TapeSACConverter) -> None:
-    """Wrap the stages ``pipeline_module_split`` returns, once, as it returns them.
-
-    torchtitan's ``pipeline_llm`` (the ``pipelining_fn`` of its decoder models; :func:`validate`
-    refuses others) splits the meta model with this module-level function and then parallelises
-    each part; the patch takes itself out at its first call (one split per trainer) and holds
-    the converter weakly (``torchtitan_common.patches``).
-    """
+    """Wrap the stages ``pipeline_module_split`` returns, once, as it returns them
+    (``torchtitan_common.pipeline``): torchtitan's ``pipeline_llm``, the ``pipelining_fn`` of its
+    decoder models (:func:`validate` refuses others), splits the meta model with it and then
+    parallelises each part."""
     from torchtitan.distributed import pipeline_parallel
 
-    ref = weakref.ref(converter)
-
-    def wrap(original: Any) -> Any:
-        def pipeline_module_split(*args: Any, **kwargs: Any):
-            stages, parts = original(*args, **kwargs)
-            target = ref()
-            if target is not None:
-                target.wrap(parts, PipelineStage.of([s.stage_index for s in stages]))
-            return stages, parts
-
-        return pipeline_module_split
-
-    until_first_call([pipeline_parallel], "pipeline_module_split", wrap)
+    pipeline.wrap_after_split(pipeline_parallel, "pipeline_module_split", converter, TapeSACConverter.wrap)
 
 
 def _current_run() -> TapeSACRun | None:
