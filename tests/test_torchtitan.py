@@ -293,6 +293,18 @@ def test_slurm_script_builds_the_torchrun_command(tmp_path):
                     "--nnodes 2 --nproc_per_node 8 --rdzv_id 4242 --rdzv_backend c10d "
                     "--rdzv_endpoint gpu-node-07:29500 -m torchtitan.train --job.config_file "
                     "train_configs/llama3_8b.toml --tapesac.budget 0.85")
+    # torchtitan 0.3.x: torchtitan.train's own arguments, passed as they are.
+    out03 = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "--module", "torchtitan03_ext",
+                            "--config", "llama3_8b", "activation-checkpoint:tapesac",
+                            "--activation-checkpoint.budget", "0.85"],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert out03.returncode == 0, out03.stderr
+    srun03 = [line for line in out03.stdout.splitlines() if line.startswith("srun ")][0]
+    assert srun03.endswith("--rdzv_endpoint gpu-node-07:29500 -m torchtitan.train --module torchtitan03_ext "
+                           "--config llama3_8b activation-checkpoint:tapesac --activation-checkpoint.budget 0.85")
+    empty = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch")], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "usage:" in empty.stderr
     env2 = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
     out2 = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "x.toml"], env=env2,
                           capture_output=True, text=True, timeout=60)

@@ -47,9 +47,10 @@ def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp
     _ok(out)
     assert len(base[0]["losses"]) == STEPS and "policy" not in base[0]
 
-    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac",
+    out, records = run_titan(tmp_path, "tapesac", "--metrics.enable_tensorboard", "activation-checkpoint:tapesac",
                              "--activation-checkpoint.limit_gib", str(TIGHT_LIMIT_GIB))
     _ok(out)
+    _assert_tensorboard_has_tapesac_metrics(tmp_path / "tapesac_dump")
     assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
     r0, r1 = records
     assert r0["planned"] and r1["planned"]
@@ -62,6 +63,24 @@ def test_two_rank_fsdp_run_at_a_tight_limit_matches_no_checkpointing_bitwise(tmp
     assert "TapeSAC plan: limit 76.8 MiB" in log and "TapeSAC [planned]: limit 76.8 MiB" in log
     policy = json.loads((tmp_path / "tapesac_dump" / "tapesac" / "policy.json").read_text())
     assert policy["meta"]["world_size"] == 2 and policy["meta"]["model"] == "llama3/debugmodel"
+
+
+def _assert_tensorboard_has_tapesac_metrics(dump: Path) -> None:
+    """TapeSAC's numbers reach torchtitan's metrics, as on 0.2.x: each step's TensorBoard scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    steps: set[int] = set()
+    for events in dump.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags.update(acc.Tags()["scalars"])
+        if "tapesac/measured_peak_gib" in acc.Tags()["scalars"]:
+            steps.update(e.step for e in acc.Scalars("tapesac/measured_peak_gib"))
+    expected = {"tapesac/limit_gib", "tapesac/predicted_peak_gib", "tapesac/measured_peak_gib",
+                "tapesac/kept_gib", "tapesac/recompute_ms", "tapesac/replayed_ops"}
+    assert expected <= tags, sorted(tags)
+    assert steps, "no step logged a measured peak"
 
 
 EXPERT_PARALLEL = ("--parallelism.expert_parallel_degree", "2")
