@@ -256,7 +256,9 @@ class Tape:
         * device indices: ranks on one node use ``cuda:0``, ``cuda:1``, ...;
         * process-group names of collectives: they differ between TP or PP groups;
         * version counters of externals: a parameter before and after an optimizer step is the
-          same input.
+          same input;
+        * which of a tensor's equal pieces (``split``, ``chunk``, ``unbind``) an op reads: a rank
+          keeps its own piece when a replicated tensor is sharded (sequence parallelism).
 
         Equal for two blocks of one architecture (externals are numbered by first use, not by
         identity) and identical across processes.
@@ -275,10 +277,13 @@ class Tape:
         """
         ext_index: dict[int, int] = {}
         values = self.values
+        rank_pieces = {i for i, op in enumerate(self.ops) if _equal_pieces(op, values)}
 
         def ref(r: Ref) -> str:
             v = values[r.vid]
             if v.op >= 0:  # produced, or a snapshot of a produced value: where it was made
+                if v.op in rank_pieces:
+                    return f"%{v.op}.*"
                 return f"%{v.op}.{v.slot}"
             n = ext_index.setdefault(r.vid, len(ext_index))
             return f"$e{n}{_external_shape(v)}{v.dtype}"
@@ -288,6 +293,23 @@ class Tape:
             outs = ",".join("-" if o is None else str(values[o].dtype) for o in op.outs)
             lines.append(f"{self.op_name(i)}{_canonical_args(op, ref)!r}->{outs}")
         return lines
+
+
+_PIECE_OPS = frozenset({"aten::split", "aten::chunk", "aten::unbind", "aten::tensor_split"})
+
+
+def _equal_pieces(op: TapeOp, values: list) -> bool:
+    """Whether ``op`` cuts a tensor into pieces of one shape and dtype (``split``, ``chunk``,
+    ``unbind``, ``tensor_split``). Which piece a program reads then enters the signature as
+    ``%op.*``: sharding a replicated tensor (a DTensor redistributed to ``Shard``, as sequence
+    parallelism does at a block's input) cuts it so and keeps the piece of this rank, so every
+    rank reads another slot of one program. Pieces of one shape cost the same to keep and to
+    rebuild, so the plan fits every rank."""
+    name = getattr(getattr(op.func, "_schema", None), "name", None)
+    if name not in _PIECE_OPS or len(op.outs) < 2 or any(o is None for o in op.outs):
+        return False
+    first = values[op.outs[0]]
+    return all(values[o].shape == first.shape and values[o].dtype == first.dtype for o in op.outs[1:])
 
 
 def _external_shape(v: Value) -> str:

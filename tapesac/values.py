@@ -102,6 +102,10 @@ class ValueMap:
         op = TapeOp(func, args, {}, (dep,))
         self.tape.ops.append(op)
         vid = self._produced(idx, 0, t, t._version, self._sid(t))
+        if dep in self._unwritten:
+            # Invariant 10 through invariant 8: a DTensor over an unwritten shard, or the shard of
+            # an unwritten DTensor (a kernel's output wrapped by ``local_map``), is as unwritten.
+            self._unwritten.add(vid)
         op.outs = [vid]
         op.n_returned = 1
         op.time_s = 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch import nn
 import tapesac
 
 from .blocks import CASES, Case, assert_identical, grads
+from .unseen import host
 
 STEPS = 5
 
@@ -251,6 +253,12 @@ class _DTensorBlock(nn.Module):
         if self.variant == "redistribute":  # Shard -> Replicate: a functional all-gather
             d = DTensor.from_local(h, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
             return h + (torch.relu(d) * d).to_local() @ self.w
+        if self.variant == "unseen_local":  # a kernel on the local shard (local_map), its output wrapped
+            local = (h @ self.w).tanh()
+            out = torch.empty_like(local)
+            np.multiply(host(local), 3.0, out=host(out))  # written where no dispatcher sees
+            wrapped = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+            return (h @ self.w) * wrapped.to_local().view(h.shape)
         d = DTensor.from_local(h @ self.w, self.mesh, [Replicate()], run_check=False)
         if self.variant == "to_from_local":
             return h + (torch.tanh(d) * d).to_local()
@@ -272,10 +280,12 @@ def one_rank_mesh():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["to_from_local", "shard_write", "redistribute"])
+@pytest.mark.parametrize("variant", ["to_from_local", "shard_write", "redistribute", "unseen_local"])
 def test_dtensor_steps_are_followed_exactly(one_rank_mesh, variant):
     """The recorder's DTensor steps (to_local, from_local, redistribute) are followed, and a
-    DTensor read again after a write through its shard maps to its new value, as recorded."""
+    DTensor read again after a write through its shard maps to its new value, as recorded. A
+    buffer written unseen stays unwritten through a DTensor's wrap and unwrap: what is read of it
+    is held, never rebuilt from the allocation (recorder invariants 8 and 10)."""
     def run(wrapped: bool):
         block = _DTensorBlock(variant, one_rank_mesh)
         pre = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))

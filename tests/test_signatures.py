@@ -288,6 +288,34 @@ def test_a_snapshot_of_a_value_with_a_data_dependent_shape_is_not_in_the_signatu
         (la, lb) for la, lb in zip(a.signature_lines(), b.signature_lines()) if la != lb)
 
 
+class OwnPieceBlock(nn.Module):
+    """Keeps piece ``rank`` of its input cut in equal pieces along the sequence, as a replicated
+    tensor redistributed to ``Shard(1)`` is on each rank (sequence parallelism)."""
+
+    def __init__(self, rank: int, pieces: int = 2) -> None:
+        super().__init__()
+        self.rank, self.pieces = rank, pieces
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = torch.chunk(x, self.pieces, dim=1)[self.rank].clone()
+        return self.linear(mine).relu()
+
+
+def test_which_equal_piece_a_rank_keeps_is_not_in_the_signature():
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    blocks = [OwnPieceBlock(rank) for rank in range(2)]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    a, b = (_record(block, x.clone()) for block in blocks)
+    assert a.signature() == b.signature(), next(
+        (la, lb) for la, lb in zip(a.signature_lines(), b.signature_lines()) if la != lb)
+    # Unequal pieces are different programs: which one is read stays in.
+    c = _record(OwnPieceBlock(0, pieces=4), torch.randn(2, 7, 8))  # pieces of 2, 2, 2 and 1 rows
+    d = _record(OwnPieceBlock(3, pieces=4), torch.randn(2, 7, 8))
+    assert c.signature() != d.signature()
+
+
 def test_parameter_version_is_not_in_the_signature():
     torch.manual_seed(0)
     block = copy.deepcopy(ItemScaleBlock())  # deep-copied parameters start at version 0

@@ -94,6 +94,12 @@ MODEL_JOBS = {
     "deepseek_v3": ("deepseek_v3_debug_cpu", (), None, 0.5 * 0.9),
     # TP 2 with sequence parallelism: step frontier 56.5 to 81.0 MiB (2026-12-06); limit 66.6 MiB.
     "llama3-tp2": ("llama3_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.065, 0.065),
+    # Sequence parallelism shards each block's replicated input (every rank keeps its own piece),
+    # and the gated-DeltaNet kernels run on local shards (local_map): step frontier 66.2 to
+    # 106.5 MiB (2026-12-06).
+    "qwen35-dense-tp2": ("qwen35_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.08, 0.08),
+    # The same with MoE blocks (experts split over the TP ranks): 93.7 to 115.6 MiB (2026-12-06).
+    "qwen35-moe-tp2": ("qwen35_moe_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.1, 0.1),
     # PP 2, four micro-batches of one sequence; torchtitan's llama3 debug schedule, Interleaved1F1B
     # (two stages a rank, one handle): step frontier 69.7-103.9 MiB (stages 0+2) and 73.2-101.1 MiB
     # (1+3); 1F1B: 68.2-96.8 MiB (stage 0) and 71.2-85.8 MiB (stage 1) (2026-12-06).
@@ -251,6 +257,28 @@ def test_the_8b_config_chooses_tapesac_without_cuda_graphs():
     assert isinstance(cfg, Trainer.Config) and isinstance(cfg.activation_checkpoint, TapeSAC.Config)
     assert (cfg.model_spec.name, cfg.model_spec.flavor) == ("llama3", "8B")
     assert cfg.training.disable_cuda_graphs and cfg.training.seq_len == 8192
+
+
+@pytest.mark.parametrize("name, flavor, tp, ep", [
+    ("qwen35_27b", "27B", 4, 1),
+    ("qwen35_35b_a3b", "35B-A3B", 2, 8),
+    ("qwen35_397b_a17b", "397B-A17B", 8, 16),
+])
+def test_the_paper_s_qwen35_jobs_choose_tapesac_with_torchtitan_s_parallelism(name, flavor, tp, ep):
+    """The GPU jobs of the paper's models: torchtitan's own jobs (its ``qwen3_5`` config registry:
+    model, parallelism, tokens per step) with TapeSAC instead of full AC, accepted by TapeSAC's
+    checks and chosen on the command line."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan03_ext import TapeSAC, Trainer
+
+    cfg = ConfigManager().parse_args(["--module", "torchtitan03_ext", "--config", name])
+    assert isinstance(cfg, Trainer.Config) and isinstance(cfg.activation_checkpoint, TapeSAC.Config)
+    assert cfg.activation_checkpoint.budget == 0.9 and cfg.training.disable_cuda_graphs
+    assert (cfg.model_spec.name, cfg.model_spec.flavor) == ("qwen3_5", flavor)
+    assert (cfg.parallelism.tensor_parallel_degree, cfg.parallelism.expert_parallel_degree) == (tp, ep)
+    assert (cfg.training.local_batch_size, cfg.training.seq_len) == (4, 4096)
+    assert cfg.loss.loss_fn.global_vocab_size == cfg.model_spec.model.vocab_size
 
 
 def test_the_0_2_front_door_refuses_torchtitan_0_3_in_one_line():
