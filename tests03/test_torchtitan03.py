@@ -100,6 +100,8 @@ MODEL_JOBS = {
     "qwen35-dense-tp2": ("qwen35_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.08, 0.08),
     # The same with MoE blocks (experts split over the TP ranks): 93.7 to 115.6 MiB (2026-12-06).
     "qwen35-moe-tp2": ("qwen35_moe_debug_cpu", ("--parallelism.tensor_parallel_degree", "2"), 0.1, 0.1),
+    # DTensor on every axis (FSDP2's too): the blocks' activations and parameters are DTensors.
+    "llama3-full-dtensor": ("llama3_debug_cpu", ("--parallelism.spmd_backend", "full_dtensor"), None, 0.1 * 0.9),
     # PP 2, four micro-batches of one sequence; torchtitan's llama3 debug schedule, Interleaved1F1B
     # (two stages a rank, one handle): step frontier 69.7-103.9 MiB (stages 0+2) and 73.2-101.1 MiB
     # (1+3); 1F1B: 68.2-96.8 MiB (stage 0) and 71.2-85.8 MiB (stage 1) (2026-12-06).

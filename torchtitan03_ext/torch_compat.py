@@ -11,8 +11,8 @@ Found by running torchtitan 0.3.0 on torch 2.13.0 (CPU, two gloo ranks):
    ``fully_shard`` raises "When dp_mesh_dims is provided, all parameters must be DTensors on the
    full SPMD mesh" (torch 2.14.0's reads the annotations). Not patchable here: TapeSAC's configs
    use ``spmd_backend = "partial_dtensor"`` (DTensor only for model-parallel axes, as torchtitan
-   0.2.x did), and a TapeSAC job with another backend is refused before training
-   (``trainer.check_neighbours``).
+   0.2.x did; ``full_dtensor`` runs too), and a TapeSAC job with ``spmd_types`` is refused
+   before training (``trainer.check_neighbours``).
 
 3. Pipeline schedules that take a step's micro-batches as made: torchtitan 0.3's trainer builds
    them itself and calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,

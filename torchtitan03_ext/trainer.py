@@ -32,13 +32,18 @@ ActivationCheckpointingConfig = TorchtitanAC | Annotated[TapeSAC.Config, tyro.co
 """torchtitan's choices plus ``activation-checkpoint:tapesac``."""
 
 
+SPMD_BACKENDS = ("partial_dtensor", "full_dtensor")
+"""torchtitan 0.3's ``parallelism.spmd_backend`` values TapeSAC runs with: DTensor for the
+model-parallel axes only (as torchtitan 0.2 did), or for every axis (FSDP2's too)."""
+
+
 def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
     """Refuse what TapeSAC cannot run with (ConfigError naming the setting and the fix).
 
     ``spmd_backend``: torchtitan 0.3's default, ``spmd_types``, needs FSDP2 that reads
     ``spmd_types`` annotations (torch >= 2.14; torch 2.13's ``fully_shard`` refuses its plain
-    parameters) and is untested with TapeSAC; under ``full_dtensor`` the blocks' activations are
-    DTensors and a planned step fails in replay (``aten.set_`` has no DTensor sharding strategy).
+    parameters) and is untested with TapeSAC; ``full_dtensor`` (the blocks' activations are
+    DTensors on every axis) and ``partial_dtensor`` run.
     Context parallelism is refused, as on 0.2.x; pipeline parallelism runs under the schedules
     of ``torchtitan_common.pipeline`` with the models whose stages torchtitan's ``pipeline_llm``
     makes. A compiled model runs TapeSAC's compiled mode, under its refusals
@@ -48,11 +53,11 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
         raise ConfigError(
             "CUDA graphs replay a captured step without Python, but TapeSAC records, measures and "
             "plans each step in Python: set --training.disable_cuda_graphs (on CPU it is a no-op)")
-    if config.parallelism.spmd_backend != "partial_dtensor":
+    if config.parallelism.spmd_backend not in SPMD_BACKENDS:
         raise ConfigError(
             f"parallelism.spmd_backend is '{config.parallelism.spmd_backend}', but TapeSAC runs with "
-            "'partial_dtensor' only (DTensor for model-parallel axes, as in torchtitan 0.2): set "
-            "--parallelism.spmd_backend partial_dtensor")
+            f"{' or '.join(repr(b) for b in SPMD_BACKENDS)} only (on torch 2.13, FSDP2 does not read "
+            "spmd_types annotations): set --parallelism.spmd_backend partial_dtensor")
     par = config.parallelism
     if par.context_parallel_degree > 1:
         # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
