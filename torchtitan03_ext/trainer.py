@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 import tyro
 from torchtitan import trainer as tt_trainer
-from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig as TorchtitanAC
 from torchtitan.distributed import pipeline_parallel
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig as TorchtitanAC
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
 from tapesac.errors import ConfigError
@@ -53,12 +53,12 @@ def check_neighbours(config: "tt_trainer.Trainer.Config") -> None:
         raise ConfigError(
             "CUDA graphs replay a captured step without Python, but TapeSAC records, measures and "
             "plans each step in Python: set --training.disable_cuda_graphs (on CPU it is a no-op)")
-    if config.parallelism.spmd_backend not in SPMD_BACKENDS:
+    par = config.parallelism
+    if par.spmd_backend not in SPMD_BACKENDS:
         raise ConfigError(
-            f"parallelism.spmd_backend is '{config.parallelism.spmd_backend}', but TapeSAC runs with "
+            f"parallelism.spmd_backend is '{par.spmd_backend}', but TapeSAC runs with "
             f"{' or '.join(repr(b) for b in SPMD_BACKENDS)} only (on torch 2.13, FSDP2 does not read "
             "spmd_types annotations): set --parallelism.spmd_backend partial_dtensor")
-    par = config.parallelism
     if par.context_parallel_degree > 1:
         # Context parallelism shards attention along the sequence inside SDPA's dispatch, with
         # ring collectives the recorder cannot replay per shard.
