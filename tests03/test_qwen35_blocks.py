@@ -91,6 +91,42 @@ def test_planned_at_a_limit_that_forces_recompute_is_exact(flavor):
     assert plan.allocation.recompute_s > 0, "the plan recomputes nothing at a limit below its top"
 
 
+def test_moe_routing_moves_no_bytes_without_expert_parallelism():
+    """torchtitan 0.3's MoE permutes the step's tokens x top-k into one tensor of fixed rows and
+    runs the experts as one grouped_mm with offsets: what the router picks changes no value's
+    size, so a plan made on one step's bytes holds on every step (docs/limits.md, "MoE routing").
+    Two forwards of other tokens, each recorded afresh, route differently (checked) and make
+    values of equal float sizes, with no data-dependent op on their tapes."""
+    net = qwen35.model("debugmodel_moe")
+    tokens, positions = qwen35.batch(0, rows=2, seq=128)
+    first = _record_moe_step(net, tokens, positions)
+    second = _record_moe_step(net, (tokens * 3 + 1) % qwen35.VOCAB, positions)
+    assert any(not torch.equal(a, b) for a, b in zip(first[1], second[1])), "both routed alike: nothing shown"
+    assert all(first[0].values()) and first[0] == second[0]
+
+
+def _record_moe_step(net, tokens: torch.Tensor, positions: torch.Tensor):
+    """(float value sizes per block, tokens routed per expert per block) of one forward and
+    backward, recorded by a fresh TapeSAC handle."""
+    moe_blocks = qwen35.blocks(net)
+    before = [b.moe.tokens_per_expert_E.clone() for b in moe_blocks]
+    handle = tapesac.wrap(moe_blocks)
+    try:
+        with qwen35._PartialDTensor():
+            logits = net(tokens, attention_masks=net.get_attention_masks(positions), positions=positions,
+                         special_tokens=dict(qwen35.TEXT_ONLY_SPECIAL_TOKENS))
+            F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten()).backward()
+        tapes = handle.tapes()
+    finally:
+        handle.remove()
+    for i, tape in tapes.items():
+        dependent = [tape.op_name(j) for j, op in enumerate(tape.ops) if op.keep_only not in (None, UNSEEN)]
+        assert not dependent, f"block {i}: data-dependent ops {dependent}"
+    sizes = {i: [(tuple(v.shape), v.nbytes) for v in tape.values
+                 if isinstance(v.dtype, torch.dtype) and v.dtype.is_floating_point] for i, tape in tapes.items()}
+    return sizes, [b.moe.tokens_per_expert_E - t for b, t in zip(moe_blocks, before)]
+
+
 def test_the_stand_ins_compute_fla_s_reference_per_document():
     """Against fla's recurrent reference run on each document alone, with the L2 norm outside."""
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
