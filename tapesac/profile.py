@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .bounds import SizeBounds
 from .ops import may_communicate, op_info
 from .planner.graph import BlockGraph
 from .tape import EXTERNAL, UNSEEN, Tape
@@ -77,12 +78,15 @@ def merge_profiles(tapes: Iterable[Tape]) -> tuple[list[float], list[float]]:
 
 
 def block_graph(tape: Tape, op_time_s: list[float] | None = None,
-                unpack_order: list[int] | None = None, storage_bytes: list[float] | None = None) -> BlockGraph:
+                unpack_order: list[int] | None = None, storage_bytes: list[float] | None = None,
+                bounds: SizeBounds | None = None) -> BlockGraph:
     """The planner's view of a recorded tape (see :class:`BlockGraph`).
 
     Always available: externals, snapshots, views of externals, outputs of keep-only ops. Not
     keepable: values whose storage a later op writes in place (the recorder would have to drop
     them). The bytes of keep-only outputs backward needs are fixed, whatever the plan.
+    ``bounds``: the largest bytes of storages whose size depends on the data
+    (:func:`tapesac.bounds.size_bounds`), or why there are none.
     """
     ops, values = tape.ops, tape.values
     times = op_time_s if op_time_s is not None else [op.time_s or 0.0 for op in ops]
@@ -114,6 +118,11 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
     held = {values[v].sid for v in needed
             if values[v].kind != EXTERNAL and value_op[v] == -1 and not values[v].free}
     g.fixed_bytes = sum(storage_bytes[s] for s in held)
+    if bounds is not None and bounds.unbounded:
+        g.data_dependent = bounds.unbounded
+    elif bounds is not None and bounds.bytes:
+        g.storage_bound_bytes = [max(b, float(bounds.bytes.get(s, 0))) for s, b in enumerate(storage_bytes)]
+        g.fixed_bound_bytes = sum(g.storage_bound_bytes[s] for s in held)
     unseen = {values[v].sid for v in needed if tape.produced(v)
               and ops[values[v].op].keep_only == UNSEEN}
     g.unseen_bytes = sum(storage_bytes[s] for s in unseen)

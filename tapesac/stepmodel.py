@@ -52,6 +52,15 @@ class Window:
     """Replay windows: the values unpacked, in order (matched against the block graph's order)."""
 
 
+    def active_block(self) -> int | None:
+        """The block running in this window: the one replaying, or the one recording its forward."""
+        if self.replay_block is not None:
+            return self.replay_block
+        if self.label.startswith("forward of block "):
+            return int(self.label.rsplit(" ", 1)[1])
+        return None
+
+
 @dataclasses.dataclass
 class StepMemory:
     """The windows of one profiled step (see the module docstring for the formula)."""

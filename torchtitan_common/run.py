@@ -166,6 +166,7 @@ class TapeSACRun:
         track = list(model) if isinstance(model, Sequence) else [model]
         plan = PlanConfig(
             memory_limit_bytes=limit, safety_margin=float(cfg.safety_margin),
+            data_dependent_sizes=cfg.data_dependent_sizes,
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
             repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),

@@ -37,6 +37,12 @@ class TapeSACSettings:
     """Fraction of the limit the plan leaves unused, for memory a profiled step cannot show
     (allocations outside the blocks' window, data-dependent sizes such as MoE routing)."""
 
+    data_dependent_sizes: Literal["bound", "profiled"] = _PLAN.data_dependent_sizes
+    """Where sizes depend on the data (MoE routing under expert parallelism): 'bound' plans for
+    the largest sizes any step can have, so that heavier routing stays under the limit;
+    'profiled' plans for the profiled step's (less recompute; only ``safety_margin`` covers
+    heavier routing)."""
+
     cpu_capacity_gib: float = 0.0
     """Device capacity assumed on CPU, where no allocator reports one, in GiB. 0: physical memory
     divided by the ranks on this node."""
@@ -102,6 +108,6 @@ class TapeSACSettings:
 
 
 SHARED_WITH_PLAN_CONFIG = ("safety_margin", "warmup_steps", "profile_steps", "solver_time_limit_s",
-                           "timing_reduction")
+                           "timing_reduction", "data_dependent_sizes")
 """Fields with the same name here and in PlanConfig (``profile_repeats`` is PlanConfig's
 ``repeats``; ``verify`` is checked by type only)."""

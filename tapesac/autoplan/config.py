@@ -11,6 +11,9 @@ from .. import distributed as tdist
 from ..errors import ConfigError, TapeSACError
 
 
+DATA_DEPENDENT_SIZES = ("bound", "profiled")
+
+
 @dataclasses.dataclass
 class PlanConfig:
     """How planned mode profiles, plans and checks."""
@@ -21,6 +24,11 @@ class PlanConfig:
     """Fraction of the limit held back for what a profiled step cannot show: allocations outside
     the measured window, and sizes that change with the data (tokens per expert in MoE). Never
     reserved below the smallest achievable peak."""
+    data_dependent_sizes: str = "bound"
+    """Where a block's sizes depend on the data (MoE routing, a boolean mask): ``"bound"`` plans
+    for the largest sizes any step can have (``tapesac.bounds``), so that a step routed more
+    heavily than the profiled one stays under the limit; ``"profiled"`` plans for the profiled
+    step's sizes (more kept, less recompute; only ``safety_margin`` covers heavier routing)."""
     warmup_steps: int = 1
     """Replay-only optimizer steps before the first profile (the first one allocates optimizer
     state once)."""
@@ -109,6 +117,9 @@ def check_settings(settings: Any, names: dict[str, str] | None = None) -> None:
     solver = get("solver_time_limit_s")
     if not isinstance(solver, (int, float)) or not solver >= 0:
         fail("solver_time_limit_s", ">= 0")
+    if names.get("data_dependent_sizes", "data_dependent_sizes").rsplit(".", 1)[-1] in getattr(
+            settings, "__dataclass_fields__", {}) and get("data_dependent_sizes") not in DATA_DEPENDENT_SIZES:
+        fail("data_dependent_sizes", "one of " + ", ".join(DATA_DEPENDENT_SIZES))
     if get("timing_reduction") not in tdist.REDUCTIONS:
         fail("timing_reduction", "one of " + ", ".join(sorted(tdist.REDUCTIONS)))
 

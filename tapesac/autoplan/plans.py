@@ -11,6 +11,7 @@ import torch
 
 from .. import distributed as tdist
 from ..artifacts import save_plan
+from ..bounds import SizeBounds, check_recordings, size_bounds
 from ..errors import PlanError, PolicyError
 from ..planner import Plan, make_plan
 from ..planner.compiled_cost import compiled_costs
@@ -139,7 +140,9 @@ class PlanMaker:
             times, sizes, memory = tdist.reduce_profile(times, sizes, memory, self.config.timing_reduction, group)
         except ValueError as e:  # every rank gathered the same traces, so every rank lands here
             return str(e)
-        graphs = {b: block_graph(tapes[0], times[b], orders.get(b), sizes[b]) for b, tapes in by_block.items()}
+        bounds = self._size_bounds(by_block, signatures)
+        graphs = {b: block_graph(tapes[0], times[b], orders.get(b), sizes[b], bounds.get(b))
+                  for b, tapes in by_block.items()}
         if self._overheads is None:
             # TapeSAC's own costs belong in the plan: each replayed op's bookkeeping, and recording
             # a block at all (saved when a block keeps everything and runs as plain autograd).
@@ -160,6 +163,39 @@ class PlanMaker:
         self.solve(entry, entry.limit_bytes, first=True)
         self.plans[key] = entry
         return None
+
+    def _size_bounds(self, by_block: dict[int, list[Any]], signatures: dict[int, str]) -> dict[int, SizeBounds]:
+        """Per block, the bounds of its sizes that depend on the data (``tapesac.bounds``), the
+        same on every rank: the largest over ranks, unbounded where any rank is."""
+        if self.config.data_dependent_sizes != "bound":
+            return {}
+        by_kind: dict[str, list[int]] = {}
+        for b, sig in signatures.items():
+            by_kind.setdefault(sig, []).append(b)
+        mine: dict[int, tuple[dict[int, int], str | None]] = {}
+        for blocks in by_kind.values():
+            tapes = [t for b in blocks for t in by_block[b]]
+            per_tape = [size_bounds(t) for t in tapes]
+            kind = per_tape[0]
+            for other in per_tape[1:]:
+                kind = kind.merge(other)
+            kind = check_recordings(tapes, kind)
+            for b in blocks:
+                mine[b] = (kind.bytes, kind.unbounded)
+        merged: dict[int, SizeBounds] = {}
+        for theirs in tdist.all_gather(mine, self.group):
+            for b, (nbytes, why) in theirs.items():
+                merged[b] = merged.get(b, SizeBounds()).merge(SizeBounds(dict(nbytes), why))
+        reasons = {signatures[b]: (b, sb.unbounded) for b, sb in merged.items() if sb.unbounded}
+        for _sig, (b, why) in reasons.items():
+            self._log(logging.WARNING, "TapeSAC: block %d (and those like it) has sizes that depend on the data "
+                      "that no bound follows: %s. It is planned at the profiled step's sizes; only "
+                      "safety_margin covers a step that routes more", b, why)
+        bounded = sum(1 for sb in merged.values() if sb.bytes and not sb.unbounded)
+        if bounded:
+            self._log(logging.INFO, "TapeSAC: %d block(s) have sizes that depend on the data; planned at their "
+                      "largest (data_dependent_sizes=\"bound\")", bounded)
+        return merged
 
     def solve(self, entry: StepPlan, limit: float, first: bool) -> None:
         """Rank 0 plans ``entry`` for ``limit`` and broadcasts; every rank applies the same."""

@@ -100,6 +100,9 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
     when the step backwards a graph twice (``retain_graph``): autograd then holds every saved
     tensor until the graph is freed, while TapeSAC drops kept values after their last use."""
     t0 = time.perf_counter()
+    profiled = graphs
+    graphs = {b: g.at_bounds() for b, g in graphs.items()}
+    memory = data_dependent_headroom(memory, profiled)
     kinds: dict[str, list[int]] = {}
     for b, g in graphs.items():
         kinds.setdefault(g.signature or f"block{b}", []).append(b)
@@ -108,8 +111,17 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
         block_frontiers[sig] = frontier(graphs[blocks[0]], max_points=points_per_block,
                                         time_limit_s=max(solver_time_limit_s, 1.0))
     frontiers = own_costs(graphs, kinds, block_frontiers)
-    deltas = replay_deltas(graphs, frontiers, memory)
-    alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas, margin)
+    deltas = replay_deltas(graphs, frontiers, memory, profiled)
+    try:
+        alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas, margin)
+    except PlanError as e:
+        if any(g.storage_bound_bytes is not None for g in profiled.values()):
+            raise PlanError(f"{e}. That peak is for the largest sizes the data can give (MoE routing, "
+                            "data_dependent_sizes=\"bound\"): steps that route more than the profiled one "
+                            "are planned to fit too. data_dependent_sizes=\"profiled\" plans for the "
+                            "profiled step's sizes instead (a lower floor; heavier routing may exceed the "
+                            "limit)") from None
+        raise
     sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas) if frontier_points else []
     policy_blocks = {}
     for b, p in alloc.points.items():
@@ -150,7 +162,28 @@ def own_costs(graphs: dict[int, BlockGraph], kinds: dict[str, list[int]],
     return own
 
 
-def replay_deltas(graphs: dict[int, BlockGraph], frontiers: dict[int, list[Point]], memory: StepMemory) -> Deltas:
+def data_dependent_headroom(memory: StepMemory, graphs: dict[int, BlockGraph]) -> StepMemory:
+    """``memory`` with each window raised by what sizes that depend on the data can add to what
+    a plan does not choose: the fixed (keep-only) storages of every live recording at their
+    bounds, and for the block running in the window (forward or replay) twice its growth: its
+    values at their bounds plus a gradient of each, no larger than its value. Kept and rebuilt
+    values at their bounds are the plan's own (``BlockGraph.at_bounds``)."""
+    growth = {b: g.growth_bytes() for b, g in graphs.items()}
+    if not any(a or f for a, f in growth.values()):
+        return memory
+    windows = []
+    for w in memory.windows:
+        active = w.active_block()
+        extra = sum(growth.get(b, (0.0, 0.0))[1] for b in w.alive)
+        extra += 2 * growth.get(active, (0.0, 0.0))[0] if active is not None else 0.0
+        windows.append(dataclasses.replace(
+            w, peak_bytes=w.peak_bytes + extra,
+            intervals=None if w.intervals is None else [x + extra for x in w.intervals]))
+    return StepMemory(windows)
+
+
+def replay_deltas(graphs: dict[int, BlockGraph], frontiers: dict[int, list[Point]], memory: StepMemory,
+                  profiled: dict[int, BlockGraph] | None = None) -> Deltas:
     """How each frontier point changes the replaying block's own peak, per replay window.
 
     Per unpack interval k the measured replay-only peak M[k] splits into what replay held (the
@@ -158,6 +191,8 @@ def replay_deltas(graphs: dict[int, BlockGraph], frontiers: dict[int, list[Point
     D = max_k max(M[k] - peak_ro[k] + peak_p[k], M[k] - after_ro[k] + after_p[k]) - window peak.
     Exact for replay-only, conservative otherwise. Where the window's unpacks are not the graph's
     order (a partial or second pass), kept bytes plus the formula's transient change are used.
+    ``profiled``: the graphs at their profiled sizes where ``graphs`` are at their bounds (what
+    replay held in the measured trace is the profiled sizes' share).
     """
     deltas = formula_deltas(memory, frontiers)
     sims: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -175,6 +210,8 @@ def replay_deltas(graphs: dict[int, BlockGraph], frontiers: dict[int, list[Point
             sims[key] = [simulate_replay(g, p.kept, order) for p in frontiers[b]]
         m = np.asarray(w.intervals)
         ro_peak, ro_after = sims[key][0]
+        if profiled is not None and profiled[b] is not g:
+            ro_peak, ro_after = simulate_replay(profiled[b], frontiers[b][0].kept, order)
         deltas[wi] = [float(max((m - ro_peak + pk).max(), (m - ro_after + af).max()) - w.peak_bytes)
                       for pk, af in sims[key]]
     return deltas

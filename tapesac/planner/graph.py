@@ -55,6 +55,14 @@ class BlockGraph:
     """Of ``fixed_bytes``, those held because no recorded op wrote them (written outside the
     dispatcher: a kernel, numpy) or their replay once differed from the forward."""
     signature: str = ""
+    storage_bound_bytes: list[float] | None = None
+    """Where sizes depend on the data (``tapesac.bounds``): the most bytes any step can hold in
+    each storage (the profiled bytes where the size is fixed). None: every size is fixed, or no
+    bound could be derived (``data_dependent`` says why)."""
+    fixed_bound_bytes: float = 0.0
+    """``fixed_bytes`` at the bounds."""
+    data_dependent: str | None = None
+    """Why sizes that depend on the data are planned at the profiled step's sizes, or None."""
 
     # Derived ---------------------------------------------------------------------------------
 
@@ -103,6 +111,20 @@ class BlockGraph:
         ops = self.closure(kept)
         return sum(self.storage_bytes[s] for s in
                    {self.value_storage[v] for v in self.read if v not in kept and self.value_op[v] in ops})
+
+    def at_bounds(self) -> "BlockGraph":
+        """This graph with every storage at its bound: what the planner costs kept and rebuilt
+        values with, so that a step routed more heavily than the profiled one still fits."""
+        if self.storage_bound_bytes is None:
+            return self
+        return dataclasses.replace(self, storage_bytes=list(self.storage_bound_bytes), fixed_bytes=self.fixed_bound_bytes)
+
+    def growth_bytes(self) -> tuple[float, float]:
+        """(all storages, fixed storages): how many bytes more than profiled the bounds allow."""
+        if self.storage_bound_bytes is None:
+            return 0.0, 0.0
+        grow = sum(b - p for b, p in zip(self.storage_bound_bytes, self.storage_bytes))
+        return grow, self.fixed_bound_bytes - self.fixed_bytes
 
     def block_replay_time(self) -> float:
         """Time of every op of the block: what full activation checkpointing reruns."""
