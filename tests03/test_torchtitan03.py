@@ -159,6 +159,12 @@ def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_p
     assert "recompute 0.0 ms/step" not in log  # the limit is below the frontier's top: something is recomputed
     if config.startswith("qwen35"):
         assert "runs without activation checkpointing" in log  # the vision encoder: one policy, the decoder's blocks
+    if EXPERT_PARALLEL[0] in parallel:
+        # The all-to-all's received tokens depend on the routing: every block planned at its bounds.
+        assert "4 block(s) have sizes that depend on the data; planned at their largest" in log
+        assert "no bound follows" not in log
+        for record in records:
+            assert all(s["measured_peak_bytes"] <= s["predicted_peak_bytes"] for s in record["history"])
 
 
 COMPILED_STEPS = 10

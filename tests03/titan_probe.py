@@ -1,6 +1,8 @@
 """``python -m tests03.titan_probe <torchtitan.train arguments>``: torchtitan 0.3's trainer,
 recording each step's exact loss and, at exit, what TapeSAC did on this rank, as JSON at
-``$TAPESAC_PROBE.rank<r>.json`` (for the tests, which launch it under torchrun)."""
+``$TAPESAC_PROBE.rank<r>.json`` (for the tests, which launch it under torchrun). With
+``TAPESAC_PROBE_PEAKS=1`` it also measures every training step's peak (storage counting, from the
+step's start to its optimizer step's end, parameters, gradients and optimizer state included)."""
 
 import atexit
 import json
@@ -14,6 +16,7 @@ import torchtitan.trainer
 import torchtitan03_ext  # noqa: F401
 
 _losses: list[str] = []
+_peaks: list[int] = []
 _policy: list = []  # held from the first step: the trainer (and its policy) is gone at exit
 
 
@@ -28,10 +31,31 @@ def _patch(trainer_cls) -> None:
         return loss
 
     trainer_cls.forward_backward_step = forward_backward_step
+    if os.environ.get("TAPESAC_PROBE_PEAKS"):
+        _measure_steps(trainer_cls)
+
+
+def _measure_steps(trainer_cls) -> None:
+    from tapesac.autoplan.step import _tensors_of
+    from tapesac.meter import CpuMeter
+
+    original = trainer_cls.train_step
+
+    def train_step(self, *args, **kwargs):
+        optimizers = getattr(self.optimizers, "optimizers", [self.optimizers])
+        meter = CpuMeter(list(_tensors_of(self.model_parts)) + list(_tensors_of(optimizers)))
+        meter.start()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            meter.stop()
+            _peaks.append(meter.peak())
+
+    trainer_cls.train_step = train_step
 
 
 def _dump() -> None:
-    record: dict = {"losses": _losses}
+    record: dict = {"losses": _losses, "step_peaks": _peaks}
     if _policy:
         handle = _policy[0].handle
         planner = handle.planner
