@@ -1,0 +1,36 @@
+"""``tools/paper.py``, the harness of the paper's claims, runs end to end (a smoke run: its
+numbers are not results): every claim's runs finish, the page names them, and the runs it
+compares are the ones it says (exact losses where TapeSAC runs at or above replay-only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_paper_harness_quick_run_writes_the_page(tmp_path):
+    cmd = [sys.executable, "tools/paper.py", "--quick", "--batches", "2", "--e2e-steps", "6", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "paper.json").read_text())
+    rows = data["claim1_summary"]["llama3"]
+    assert set(rows) == {"none", "full AC", "selective AC", "TapeSAC replay-only", "TapeSAC planned (90% of device)"}
+    assert not any(r.get("failed") for r in rows.values()), rows
+    # TapeSAC's gradients are plain autograd's: its losses equal no AC's on every step.
+    assert rows["TapeSAC replay-only"]["exact"] and rows["TapeSAC planned (90% of device)"]["exact"]
+    device = data["claim1"]["llama3"]["device_bytes"]
+    assert rows["TapeSAC planned (90% of device)"]["peak_mib"] * 2**20 <= 0.9 * device
+    sweep = data["claim2"]["rows"]
+    assert {r["policy"] for r in sweep} == {"full AC", "selective AC", "TapeSAC planned"}
+    assert all(not r["failed"] for r in sweep), sweep
+    e2e = data["claim4"]["runs"]
+    assert e2e["TapeSAC planned (90% of device)"]["exact"] and len(e2e["none"]["losses"]) == 6
+    page = (tmp_path / "paper.md").read_text()
+    for heading in ("## 1. Replay vs full AC", "## 2. The MoE batch sweep", "## 4. End to end"):
+        assert heading in page
+    assert (tmp_path / "paper_moe_batch_sweep.png").stat().st_size > 0
+    assert (tmp_path / "paper_end_to_end_losses.png").stat().st_size > 0

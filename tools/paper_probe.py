@@ -1,0 +1,81 @@
+"""``python -m tools.paper_probe <torchtitan 0.3 arguments>``: torchtitan 0.3's trainer for
+``tools/paper.py``, recording on this rank, per training step, its exact loss and the wall
+seconds of ``train_step`` (forward, backward and optimizer step), and the peak of live tensor
+storages of one step (``$PAPER_METER_STEP``, 0-based; that step is metered, not timed: the meter
+costs per op). The meter is the one TapeSAC's planner uses on CPU, tracking the model and its
+optimizers' states as the planner does. With TapeSAC, also its plan: limit, predicted peak and
+recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``."""
+
+import atexit
+import json
+import math
+import os
+import time
+
+import torchtitan.train
+import torchtitan.trainer
+
+import torchtitan03_ext  # noqa: F401  (registers the CPU shim and the tapesac choice)
+from tapesac.autoplan.step import _tensors_of
+from tapesac.meter import CpuMeter
+
+_METER_STEP = int(os.environ.get("PAPER_METER_STEP", "-1"))
+_record: dict = {"losses": [], "step_s": [], "peak_bytes": None}
+_trainer: list = []
+
+
+def _patch(trainer_cls) -> None:
+    forward_backward = trainer_cls.forward_backward_step
+    train_step = trainer_cls.train_step
+
+    def forward_backward_step(self, **kwargs):
+        loss = forward_backward(self, **kwargs)
+        _record["losses"].append(float(loss.detach().sum().item()).hex())
+        if not _trainer:
+            _trainer.append(self)
+        return loss
+
+    def timed_train_step(self, *args, **kwargs):
+        if len(_record["step_s"]) == _METER_STEP:
+            optimizers = getattr(self.optimizers, "optimizers", [self.optimizers])
+            meter = CpuMeter(list(_tensors_of(list(self.model_parts))) + list(_tensors_of(optimizers)))
+            meter.start()
+            try:
+                return train_step(self, *args, **kwargs)
+            finally:
+                meter.stop()
+                _record["peak_bytes"] = meter.peak()
+                _record["step_s"].append(math.nan)
+        start = time.perf_counter()
+        try:
+            return train_step(self, *args, **kwargs)
+        finally:
+            _record["step_s"].append(time.perf_counter() - start)
+
+    trainer_cls.forward_backward_step = forward_backward_step
+    trainer_cls.train_step = timed_train_step
+
+
+def _dump() -> None:
+    tapesac = getattr(_trainer[0], "tapesac", None) if _trainer else None
+    if tapesac is not None:
+        planner = tapesac.handle.planner
+        plan = planner.plan if planner is not None else None
+        _record["tapesac"] = {
+            "limit_bytes": getattr(tapesac, "limit_bytes", None),
+            "planned": plan is not None,
+            "predicted_peak_bytes": plan.policy.predicted_peak_bytes if plan is not None else None,
+            "predicted_recompute_s": plan.policy.predicted_recompute_s if plan is not None else None,
+            "solve_s": plan.solve_s if plan is not None else None,
+            "history": planner.history if planner is not None else [],
+        }
+    _record["step_s"] = [None if math.isnan(s) else s for s in _record["step_s"]]
+    rank = os.environ.get("RANK", "0")
+    with open(f"{os.environ['PAPER_PROBE']}.rank{rank}.json", "w") as f:
+        json.dump(_record, f)
+
+
+if __name__ == "__main__":
+    _patch(torchtitan.trainer.Trainer)
+    atexit.register(_dump)
+    torchtitan.train.main()
