@@ -317,9 +317,10 @@ PAPER = {
 
 
 def page(data: dict, args: argparse.Namespace, out: Path) -> str:
+    written = data.get("written_by") or (f"Written by `{data['command']}` on commit `{data['commit']}`, "
+                                         f"{data['date']}")
     lines = ["# The paper's claims, measured on torchtitan 0.3's debug jobs", "",
-             f"Written by `{data['command']}` on commit `{data['commit']}`, {data['date']}; machine: "
-             f"{data['machine']}. Total wall time {data['wall_s'] / 60:.1f} min"
+             f"{written}; machine: {data['machine']}. Total wall time {data['wall_s'] / 60:.1f} min"
              f"{' (--quick: a smoke run, not results)' if args.quick else ''}.", "",
              "Every run is one `torchrun` process (one CPU rank, one thread) of a `torchtitan03_ext` debug job "
              "(offline text, AdamW; `tools/paper_probe.py` records each step's loss and time and one metered "
