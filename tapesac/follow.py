@@ -491,6 +491,11 @@ class Following:
             except (RuntimeError, NotImplementedError):
                 continue
             self._storages[id(st)] = (weakref.ref(st), values[vid].sid)
+        # A held value's version as this forward saw it, also where its tensor is gone and its id
+        # reused (a parameter's transpose that only the held alias outlives): the tape's version
+        # is the verified forward's, and backward checks the held alias against it.
+        for vid, version in self._held_versions.items():
+            values[vid].version = version
         for vid in self.held:
             self._held_by_sid.setdefault(values[vid].sid, set()).add(vid)
         for op in tape.ops:

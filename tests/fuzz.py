@@ -380,10 +380,12 @@ def _sort_gather(blk, k, rng):
 
 
 def _data_dependent(blk, k, rng):
-    variant = rng.choice(["nonzero_index_put", "masked_select", "item_scale"])
+    variant = rng.choice(["nonzero_index_put", "masked_select", "item_scale", "branch"])
     blk.feature("data_dep:" + variant)
 
     def fn(h, env):
+        if variant == "branch":  # the program itself follows the data: a followed forward departs
+            return h.tanh() * h if bool(h.detach().mean() > 0) else h.sigmoid() * h
         if variant == "nonzero_index_put":
             rows = (h.detach().sum(-1) > 0).nonzero(as_tuple=True)
             h2 = h.clone()
@@ -791,7 +793,7 @@ def all_features() -> list[str]:
                                       "no_grad_alternate"]}
     names |= {"attention:" + v for v in ["sdpa", "sdpa_causal", "sdpa_dropout", "manual"]}
     names |= {"moe:" + v for v in ["index_add_", "scatter_add_", "sort_gather"]}
-    names |= {"data_dep:" + v for v in ["nonzero_index_put", "masked_select", "item_scale"]}
+    names |= {"data_dep:" + v for v in ["nonzero_index_put", "masked_select", "item_scale", "branch"]}
     names |= {"custom_fn:saves_inputs", "custom_fn:saves_output"}
     names |= {"unused_op_output:" + v for v in ["max_indices", "var_mean_var", "sort_values", "aminmax"]}
     names |= {"dead:dropped", "dead:no_grad_stats", "dead:to_aux"}
@@ -812,6 +814,7 @@ class _Run:
         self.rng = random.Random(seed * 7919 + 17)  # the loop's own choices: same in both runs
         self.results: dict[str, torch.Tensor | None] = {}
         self.notes: list[str] = []
+        self.opt: torch.optim.Optimizer | None = None
 
     def leaf(self, i: int, shape=(B, T, D)) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1009 + i)
@@ -832,8 +835,13 @@ class _Run:
         for n, b in self.model.named_buffers():
             r[f"{tag}buffer:{n}"] = b.clone()
 
-    def zero(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+    def step(self) -> None:
+        """End a training step as a trainer does: the optimizer moves the parameters (and their
+        versions) before the next step's forward."""
+        if self.opt is None:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
     def forward(self, x, i: int = 0, repeat: int = 1):
         h, auxes = self.model(x, self.mask(i), repeat=repeat)
@@ -995,7 +1003,7 @@ def _loop_keep_set(run: _Run) -> None:
     same_input = run.rng.random() < 0.5
     run.notes.append(f"step 2: {step2}, {'same' if same_input else 'new'} inputs")
     _loop_single(run, "s1:", 0)
-    run.zero()
+    run.step()
     if run.handle is not None:
         policy = _random_policy(run.handle, random.Random(run.seed))
         kept = sum(len(b.keep) for b in policy.blocks.values())
@@ -1017,7 +1025,7 @@ def _loop_repeat(run: _Run) -> None:
     for k, name in enumerate(loops):
         torch.manual_seed(run.seed + k)
         _STEP2[name](run, f"s{k}:", 10 * k)
-        run.zero()
+        run.step()
 
 
 LOOPS: dict[str, Callable[[_Run], None]] = {
