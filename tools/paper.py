@@ -267,11 +267,88 @@ def claim6(quick: bool, log) -> dict:
 
 # The page --------------------------------------------------------------------------------------
 
+# Claim 3 ---------------------------------------------------------------------------------------
+
+def claim3(quick: bool, log) -> dict:
+    """``tools/paper_bytes.py`` in its own process (one thread, as every run here)."""
+    with tempfile.TemporaryDirectory(prefix="paper_bytes_") as d:
+        path = Path(d) / "bytes.json"
+        cmd = [sys.executable, "tools/paper_bytes.py", "--json", str(path), *(["--quick"] if quick else [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError("claim 3: tools/paper_bytes.py failed:\n" + (out.stdout + out.stderr)[-3000:])
+        data = json.loads(path.read_text())
+    for k in data["kinds"]:
+        k["summary"] = summarise3(k)
+        for r in k["summary"]:
+            log(f"claim 3: {k['kind']}: {r['compile']} {r['compile_ms']:.0f} ms, kernel x{r['compile_calls']}; "
+                + (f"TapeSAC+compile {r['tapesac_ms']:.0f} ms, kernel x{r['tapesac_calls']}" if r["tapesac"]
+                   else "no TapeSAC+compile point at or under its peak"))
+    return data
+
+
+def summarise3(kind: dict) -> list[dict]:
+    """Per compile budget: the fastest TapeSAC+compile run whose measured peak is at or under the
+    budget's measured peak (same kernels, same meter), and the time difference."""
+    rows = kind["rows"]
+    out = []
+    for c in (r for r in rows if r["budget"] is not None):
+        fits = [r for r in rows if r["policy"].startswith("TapeSAC+compile") and r["peak_bytes"] <= c["peak_bytes"]]
+        best = min(fits, key=lambda r: r["step_s"]) if fits else None
+        out.append({"compile": c["policy"], "compile_peak_mib": c["peak_bytes"] / MIB, "compile_ms": c["step_s"] * 1e3,
+                    "compile_calls": c["kernel_calls_per_step"],
+                    "tapesac": best["policy"] if best else None,
+                    "tapesac_peak_mib": best["peak_bytes"] / MIB if best else None,
+                    "tapesac_ms": best["step_s"] * 1e3 if best else None,
+                    "tapesac_calls": best["kernel_calls_per_step"] if best else None,
+                    "diff": best["step_s"] / c["step_s"] - 1 if best else None})
+    return out
+
+
+def plot_bytes(c3: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = c3["kinds"]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.2), squeeze=False)
+    blocks = c3["config"]["blocks"]
+    for ax, k in zip(axes[0], kinds):
+        groups = {"eager": lambda n: n.startswith("eager"), "compile (memory budget)": lambda n: n.startswith("compile"),
+                  "TapeSAC (eager)": lambda n: n.startswith("TapeSAC @"),
+                  "TapeSAC+compile": lambda n: n.startswith("TapeSAC+compile")}
+        for (label, pick), marker in zip(groups.items(), "sovD"):
+            rows = sorted((r for r in k["rows"] if pick(r["policy"])), key=lambda r: r["peak_bytes"])
+            ax.plot([r["peak_bytes"] / MIB for r in rows], [r["step_s"] * 1e3 for r in rows], marker,
+                    ls="-" if label != "eager" else "", label=label)
+            for r in rows:
+                if r["kernel_calls_per_step"] and r["kernel_calls_per_step"] > blocks:
+                    ax.annotate("kernel recomputed", (r["peak_bytes"] / MIB, r["step_s"] * 1e3), fontsize=7,
+                                xytext=(4, 4), textcoords="offset points")
+        ax.set(xlabel="measured step peak (MiB)", ylabel="median step (ms)", title=f"block '{k['kind']}'")
+        ax.legend(fontsize=8)
+    fig.suptitle("Bytes are not cost: a custom kernel beside plain ops, one CPU thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def pct(x: float | None) -> str:
     if x is None:
         return "—"
     s = f"{x * 100:+.1f}%"
     return "+0.0%" if s == "-0.0%" else s
+
+
+def run_line(data: dict, claim: int) -> str:
+    """Where a claim's numbers come from, when claims were run separately (``--merge``)."""
+    r = data.get(f"claim{claim}_run")
+    if not r:
+        return ""
+    took = f", {r['wall_s'] / 60:.1f} min" if r.get("wall_s") is not None else ""
+    note = f" ({r['note']})" if r.get("note") else ""
+    return f"Run by `{r['command']}` on commit `{r['commit']}`, {r['date']}{took}{note}.\n"
 
 
 def plot_sweep(sweep: dict, path: Path) -> None:
@@ -317,10 +394,15 @@ PAPER = {
 
 
 def page(data: dict, args: argparse.Namespace, out: Path) -> str:
-    written = data.get("written_by") or (f"Written by `{data['command']}` on commit `{data['commit']}`, "
-                                         f"{data['date']}")
+    if data.get("merged"):  # claims run separately: each section names its own run
+        total = sum(data[k]["wall_s"] or 0.0 for k in data if k.endswith("_run"))
+        written = "Claims were run separately (`--merge`); each section names its command, commit and date"
+    else:
+        total = data["wall_s"]
+        written = data.get("written_by") or (f"Written by `{data['command']}` on commit `{data['commit']}`, "
+                                             f"{data['date']}")
     lines = ["# The paper's claims, measured on torchtitan 0.3's debug jobs", "",
-             f"{written}; machine: {data['machine']}. Total wall time {data['wall_s'] / 60:.1f} min"
+             f"{written}; machine: {data['machine']}. Total wall time {total / 60:.1f} min"
              f"{' (--quick: a smoke run, not results)' if args.quick else ''}.", "",
              "Every run is one `torchrun` process (one CPU rank, one thread) of a `torchtitan03_ext` debug job "
              "(offline text, AdamW; `tools/paper_probe.py` records each step's loss and time and one metered "
@@ -331,6 +413,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
              "verdict says why.", ""]
     if "claim1" in data:
         lines += ["## 1. Replay vs full AC, and planned under 90% of the device", "",
+                  run_line(data, 1),
                   f"{args.rounds} round(s), every policy once per round in rotated order; step time is the median "
                   "over the timed steps (after warm-up, profiling and the verified step), then over rounds; the "
                   "ratio to full AC is paired within a round (median, and the range over rounds). *Exact*: "
@@ -356,6 +439,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
     if "claim2" in data:
         sw = data["claim2"]
         lines += ["## 2. The MoE batch sweep", "",
+                  run_line(data, 2),
                   f"Qwen3.5 MoE (`{JOBS['Qwen3.5 MoE']}`), limit {sw['limit_mib']:.1f} MiB: the device at the "
                   "smallest batch. TapeSAC is given the limit (`limit_gib`) and re-plans at each batch; the others "
                   "are not limited, and a peak over the limit is where a GPU of that size runs out of memory.", "",
@@ -368,9 +452,55 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
                 lines.append(f"| {r['batch']} | {r['policy']} | {r['step_ms']:.0f} | {r['peak_mib']:.1f} | "
                              f"{'**yes**' if r['over'] else 'no'} |")
         lines += ["", "![sweep](paper_moe_batch_sweep.png)", "", data.get("claim2_verdict", ""), ""]
+    if "claim3" in data:
+        c = data["claim3"]
+        cfg = c["config"]
+        lines += ["## 3. Bytes are not cost: compile's FLOP-priced budget against measured costs", "",
+                  run_line(data, 3),
+                  f"`tools/paper_bytes.py` (no torchtitan; torch {c['torch']}, one thread): {cfg['blocks']} blocks, "
+                  f"dim {cfg['dim']}, batch {cfg['batch']} × {cfg['seq']} tokens, AdamW. Each block has a custom "
+                  f"kernel (a `torch.library` custom op: {cfg['k']} chained matmuls with tanh and a projection, "
+                  "computed tile by tile as a GPU kernel would, so its temporaries stay small) that torch.compile "
+                  "sees as one op with no FLOP formula. *equal*: the kernel's output and a `Linear`'s have the same "
+                  f"size, `[tokens, {cfg['dim']}]`; the kernel costs about {cfg['k'] + 1}× the `Linear`. "
+                  "This is the gated-DeltaNet layer's situation: the delta rule's output is the size of a "
+                  "projection's and costs many times more. *tiny*: the kernel's output is `[tokens, 4]`, beside "
+                  f"a cheap `repeat` + SiLU of `[tokens, {4 * cfg['dim']}]`.", "",
+                  "torch.compile's `activation_memory_budget` (torchtitan's `memory_budget` mode) picks what to "
+                  "save with a knapsack that prices each op it may recompute by its FLOPs; an op without a FLOP "
+                  "formula is priced at one FLOP. TapeSAC prices each op by its measured time. TapeSAC+compile "
+                  "(`wrap(compile=True)`) runs TapeSAC's plan through torch.compile, so it and the budget use the "
+                  "same kernels and are measured by the same meter: the step peak is parameters, gradients, "
+                  "optimizer state and batch plus the CPU allocator's highest running total in a step (the "
+                  "profiler's allocator events, which see compiled code). *kernel runs* counts the custom "
+                  f"kernel's forwards per step: {cfg['blocks']} when its output is kept, "
+                  f"{2 * cfg['blocks']} when backward recomputes it. Step times are medians over "
+                  f"{cfg['rounds']} interleaved rounds of {cfg['steps']} steps.", ""]
+        for k in c["kinds"]:
+            lines += [f"### Block *{k['kind']}*: at each compile budget's peak", "",
+                      "| compile point | its peak (MiB) | its step (ms) | kernel runs | fastest TapeSAC+compile "
+                      "at or under that peak | peak (MiB) | step (ms) | kernel runs | time vs compile |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in k["summary"]:
+                t = (f"{r['tapesac']} | {r['tapesac_peak_mib']:.1f} | {r['tapesac_ms']:.0f} | {r['tapesac_calls']} | "
+                     f"{pct(r['diff'])}") if r["tapesac"] else "none fits | — | — | — | —"
+                lines.append(f"| {r['compile']} | {r['compile_peak_mib']:.1f} | {r['compile_ms']:.0f} | "
+                             f"{r['compile_calls']} | {t} |")
+            lines += ["", f"All runs of block *{k['kind']}*:", "",
+                      "| policy | measured peak (MiB) | limit (MiB) | median step (ms) | kernel runs per step |",
+                      "|---|---|---|---|---|"]
+            for r in sorted(k["rows"], key=lambda r: (r["policy"].split(" @")[0], r["peak_bytes"])):
+                lim = f"{r['limit_bytes'] / MIB:.1f}" if r["limit_bytes"] else ""
+                lines.append(f"| {r['policy']} | {r['peak_bytes'] / MIB:.1f} | {lim} | {r['step_s'] * 1e3:.0f} | "
+                             f"{r['kernel_calls_per_step']} |")
+            for r in k["refused"]:
+                lines.append(f"| {r['policy']} | refused before training | {r['limit_bytes'] / MIB:.1f} | — | — |")
+            lines.append("")
+        lines += ["![bytes vs cost](paper_bytes_vs_cost.png)", "", data.get("claim3_verdict", ""), ""]
     if "claim4" in data:
         e = data["claim4"]
         lines += ["## 4. End to end", "",
+                  run_line(data, 4),
                   f"{e['job']} (`{JOBS[e['job']]}`), {e['steps']} steps per run on the project's offline text; "
                   f"TapeSAC planned at 90% of the device ({e['limit_mib']:.1f} MiB). Wall time is the whole "
                   "process: start-up, warm-up, profiling and planning included.", "",
@@ -388,6 +518,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
     if "claim6" in data:
         c = data["claim6"]
         lines += ["## 6. Ablations: the allocation MILP against greedy and a uniform budget", "",
+                  run_line(data, 6),
                   f"A planning experiment, not a training run: `tools/bench_planner.py`'s synthetic step, "
                   f"{c['blocks']} blocks of {c['kinds']} kinds with {c['values']} values each "
                   f"({c['frontier_points']} frontier points per kind), at three limits across its step "
@@ -410,8 +541,9 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
                          f"{cell(r['uniform'])} | {cell(r['long MILP'])} |")
         lines += ["", data.get("claim6_verdict", ""), ""]
     lines += ["## Not yet run by this harness", "",
-              "- **3. Bytes are not cost** (compile's byte-based `memory-budget` against TapeSAC's measured "
-              "costs on the gated-DeltaNet blocks, and a block built to make the point).",
+              "- **3. on the Qwen3.5 job's own gated-DeltaNet blocks** (above: blocks built to make the point). "
+              "On CPU their kernels are stand-ins written through numpy (`torchtitan03_ext/fla_cpu.py`), which "
+              "torch.compile cannot trace; on a GPU fla's Triton kernels are traced, and the comparison needs one.",
               "- **5. The 397B's layer pattern** (a planning experiment).",
               "- **6. on real jobs' graphs and at the 397B shape** (above: a synthetic step only).", ""]
     return "\n".join(lines)
@@ -420,7 +552,10 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one job, one round, short runs (a smoke run, < 10 min)")
-    ap.add_argument("--claims", default="1,2,4,6")
+    ap.add_argument("--claims", default="1,2,3,4,6")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep OUT/paper.json's other claims; replace only the ones run now (each claim's section "
+                         "then names its own command, commit and date)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--jobs", default=None, help="claim 1's jobs, comma-separated: " + ", ".join(JOBS))
     ap.add_argument("--e2e-job", default="Qwen3.5 dense")
@@ -458,18 +593,37 @@ def main() -> None:
                   "date": date.today().isoformat(),
                   "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                              f"Python {platform.python_version()}"}
+    if args.merge and (out / "paper.json").exists():
+        old = json.loads((out / "paper.json").read_text())
+        for key in ("command", "commit", "date"):  # the earlier run's provenance moves to its claims
+            for c in range(1, 7):
+                if f"claim{c}" in old and f"claim{c}_run" not in old:
+                    old[f"claim{c}_run"] = {"command": old["command"], "commit": old["commit"], "date": old["date"],
+                                            "wall_s": old.get("wall_s", 0.0)}
+        data = {**old, **data, "merged": True}
     with tempfile.TemporaryDirectory(prefix="paper_") as d:
         tmp = Path(d)
+
+        def timed(claim: int, fn):
+            t0 = time.perf_counter()
+            result = fn()
+            data[f"claim{claim}_run"] = {"command": data["command"], "commit": commit, "date": data["date"],
+                                         "wall_s": time.perf_counter() - t0}
+            return result
+
+        if 3 in claims:
+            data["claim3"] = timed(3, lambda: claim3(args.quick, log))
+            plot_bytes(data["claim3"], out / "paper_bytes_vs_cost.png")
         if 1 in claims:
-            data["claim1"] = claim1(jobs, args.rounds, steps, tmp, log)
+            data["claim1"] = timed(1, lambda: claim1(jobs, args.rounds, steps, tmp, log))
             data["claim1_summary"] = summarise1(data["claim1"])
         if 2 in claims:
-            data["claim2"] = claim2(batches, steps if not args.quick else 5, tmp, log)
+            data["claim2"] = timed(2, lambda: claim2(batches, steps if not args.quick else 5, tmp, log))
             plot_sweep(data["claim2"], out / "paper_moe_batch_sweep.png")
         if 6 in claims:
-            data["claim6"] = claim6(args.quick, log)
+            data["claim6"] = timed(6, lambda: claim6(args.quick, log))
         if 4 in claims:
-            data["claim4"] = claim4(args.e2e_job, e2e_steps, tmp, log)
+            data["claim4"] = timed(4, lambda: claim4(args.e2e_job, e2e_steps, tmp, log))
             plot_losses(data["claim4"], out / "paper_end_to_end_losses.png")
     data["wall_s"] = time.perf_counter() - start
     verdicts = out / "paper_verdicts.json"  # written by people after reading the numbers
