@@ -491,6 +491,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
                       "|---|---|---|---|---|"]
             for r in sorted(k["rows"], key=lambda r: (r["policy"].split(" @")[0], r["peak_bytes"])):
                 lim = f"{r['limit_bytes'] / MIB:.1f}" if r["limit_bytes"] else ""
+                if r["limit_bytes"] and r["peak_bytes"] > r["limit_bytes"]:
+                    lim += f" (**over by {(r['peak_bytes'] - r['limit_bytes']) / 2**10:.0f} KiB**)"
                 lines.append(f"| {r['policy']} | {r['peak_bytes'] / MIB:.1f} | {lim} | {r['step_s'] * 1e3:.0f} | "
                              f"{r['kernel_calls_per_step']} |")
             for r in k["refused"]:

@@ -239,8 +239,8 @@ def measure(kind: str, args, log) -> dict:
     xs = [torch.randn(args.batch, args.seq, args.dim, generator=gen) for _ in range(2)]
     budgets = [float(b) for b in args.budgets.split(",")]
 
-    def warm(r: Runner) -> Runner:
-        for i in range(args.warmup):
+    def warm(r: Runner, extra: int = 0) -> Runner:
+        for i in range(args.warmup + extra):
             r.step(xs[i % 2])
         return r
 
@@ -258,7 +258,9 @@ def measure(kind: str, args, log) -> dict:
             name = f"TapeSAC{'+compile' if compiled_mode else ''} @ {where}"
             r = Runner(name, base, limit=limit, compiled=compiled_mode)
             try:
-                planned.append(warm(r))
+                # compiled mode may raise its plan into measured slack, a step per raise (at most
+                # max_replans): measure the plan it settles on
+                planned.append(warm(r, extra=6 if compiled_mode else 0))
             except PlanError as e:  # below what the plan can reach: TapeSAC refuses, before training
                 r.handle.remove()
                 refused.append({"policy": name, "limit_bytes": limit, "refused": str(e).split(":")[0]})
