@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac  # noqa: E402
-from tapesac.autoplan import PlanConfig  # noqa: E402
 from tapesac.errors import PlanError  # noqa: E402
 from tapesac.meter import AllocatorPeak  # noqa: E402
 
@@ -196,9 +195,9 @@ class Runner:
                 _own_code(block, name)
                 self.model.layers[i] = torch.compile(block)
         if limit is not None:
-            # compiled code peaks below the eager memory model: let measured slack raise the plan
-            config = PlanConfig(memory_limit_bytes=int(limit), compiled_raise_into_slack=compiled)
-            self.handle = tapesac.wrap(self.model.layers, plan_config=config, compile=compiled)
+            # Default settings: compiled mode plans by the eager memory model, which compiled code
+            # peaks below (``compiled_raise_into_slack`` would trade that room for time).
+            self.handle = tapesac.wrap(self.model.layers, memory_limit_bytes=limit, compile=compiled)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.calls: int | None = None
@@ -239,8 +238,8 @@ def measure(kind: str, args, log) -> dict:
     xs = [torch.randn(args.batch, args.seq, args.dim, generator=gen) for _ in range(2)]
     budgets = [float(b) for b in args.budgets.split(",")]
 
-    def warm(r: Runner, extra: int = 0) -> Runner:
-        for i in range(args.warmup + extra):
+    def warm(r: Runner) -> Runner:
+        for i in range(args.warmup):
             r.step(xs[i % 2])
         return r
 
@@ -258,9 +257,7 @@ def measure(kind: str, args, log) -> dict:
             name = f"TapeSAC{'+compile' if compiled_mode else ''} @ {where}"
             r = Runner(name, base, limit=limit, compiled=compiled_mode)
             try:
-                # compiled mode may raise its plan into measured slack, a step per raise (at most
-                # max_replans): measure the plan it settles on
-                planned.append(warm(r, extra=6 if compiled_mode else 0))
+                planned.append(warm(r))
             except PlanError as e:  # below what the plan can reach: TapeSAC refuses, before training
                 r.handle.remove()
                 refused.append({"policy": name, "limit_bytes": limit, "refused": str(e).split(":")[0]})
