@@ -19,11 +19,15 @@ Claims (the paper's numbers beside ours in the page):
    paired within a round.
 2. The MoE batch sweep: Qwen3.5 MoE at a fixed limit (its device at the smallest batch) and a
    growing local batch; where each policy first exceeds the limit, and TapeSAC re-planned at each.
+3. Bytes are not cost: ``tools/paper_bytes.py`` (in its own process, no torchtitan), a custom
+   kernel that torch.compile prices at one FLOP, against compile's activation memory budget, at
+   each budget's measured peak.
 4. End to end: TapeSAC planned, full AC and selective AC, each a whole run (warm-up, profiling
    and planning included in the wall time), losses against ``:none``'s bit for bit.
+6. Ablations (a planning experiment): the allocation MILP against greedy and a uniform budget.
 
-Claims 3, 5 and 6 (bytes against cost on DeltaNet, the 397B layer pattern, planner ablations) are
-listed in the page as not yet run by this harness.
+Claim 5 (the 397B layer pattern), and claim 3 on the Qwen3.5 job's own DeltaNet blocks, are listed
+in the page as not yet run by this harness. ``--merge`` reruns some claims and keeps the others.
 """
 
 from __future__ import annotations
@@ -324,11 +328,13 @@ def plot_bytes(c3: dict, path: Path) -> None:
                     ls="-" if label != "eager" else "", label=label)
             for r in rows:
                 if r["kernel_calls_per_step"] and r["kernel_calls_per_step"] > blocks:
-                    ax.annotate("kernel recomputed", (r["peak_bytes"] / MIB, r["step_s"] * 1e3), fontsize=7,
+                    ax.annotate(f"kernel ×{r['kernel_calls_per_step']}", (r["peak_bytes"] / MIB, r["step_s"] * 1e3), fontsize=7,
                                 xytext=(4, 4), textcoords="offset points")
         ax.set(xlabel="measured step peak (MiB)", ylabel="median step (ms)", title=f"block '{k['kind']}'")
         ax.legend(fontsize=8)
-    fig.suptitle("Bytes are not cost: a custom kernel beside plain ops, one CPU thread")
+    fig.suptitle(f"Bytes are not cost: a custom kernel beside plain ops, one CPU thread\n"
+                 f"kernel ×N: the kernel's runs per step where backward recomputes it ({blocks} = kept in every block)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
