@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
+
+
+def close_group() -> None:
+    """End a rank's process group once every rank is done with it. A rank that tears its group
+    down while a peer still talks to it can take the peer down at exit (seen once in a full run:
+    a rank that had reported its results aborted with "terminate called without an active
+    exception"). A peer that crashed or hangs does not hold this rank past the timeout: its own
+    report says what happened."""
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+    except RuntimeError:
+        pass
+    dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -64,4 +80,4 @@ def _rank_main(rank: int, world: int, port: int, body, *rest) -> None:
         result = {"crash": traceback.format_exc()}
     finally:
         queue.put((rank, result))
-        dist.destroy_process_group()
+        close_group()

@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .net import run_ranks
+from .net import close_group, run_ranks
 
 LIMIT = 450_000
 """Here the plan keeps some values of both blocks, not all (no pass-through block): the frontier
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, queue) -> None:
         result["crash"] = traceback.format_exc()
     finally:
         queue.put((rank, result))
-        dist.destroy_process_group()
+        close_group()
 
 
 def _run(scenario: str) -> dict[int, dict]:

@@ -11,7 +11,7 @@ from tapesac import distributed as tdist
 from tapesac.errors import PolicyError
 from tapesac.stepmodel import StepMemory, Window
 
-from .net import run_ranks
+from .net import close_group, run_ranks
 
 
 def _worker(rank: int, world: int, port: int, queue) -> None:
@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         result["broadcast"] = tdist.broadcast({"from": rank})
         queue.put((rank, result))
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def test_signature_check_profile_reduction_and_broadcast_across_ranks():

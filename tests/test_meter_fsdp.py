@@ -17,7 +17,7 @@ from torch import nn
 
 from tapesac.meter import AllocatorPeak, StorageCounter
 
-from .net import run_ranks
+from .net import close_group, run_ranks
 
 N_BLOCKS, DIM, BATCH = 4, 256, 8
 BLOCK_BYTES = (DIM * DIM + DIM) * 4
@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, port: int, reshard_after_forward: bool, queue
                           "ours": min(counted_peaks), "profiler": balanced, "attempts": attempt + 1,
                           "in_forward": in_forward, "left_alive": left_alive}))
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def _run(reshard_after_forward: bool) -> dict:

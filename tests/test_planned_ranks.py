@@ -10,7 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .net import run_ranks
+from .net import close_group, run_ranks
 
 
 def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) -> None:
@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) ->
         result["crash"] = traceback.format_exc()
     finally:
         queue.put((rank, result))
-        dist.destroy_process_group()
+        close_group()
 
 
 def _run(scenario: str, tmp) -> dict[int, dict]:
