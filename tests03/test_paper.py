@@ -29,15 +29,20 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
     assert all(not r["failed"] for r in sweep), sweep
     e2e = data["claim4"]["runs"]
     assert e2e["TapeSAC planned (90% of device)"]["exact"] and len(e2e["none"]["losses"]) == 6
-    blocks = data["claim3"]["config"]["blocks"]
+    cfg = data["claim3"]["config"]
+    blocks = cfg["blocks"]
+    # The kernel's temporaries (a tile of each of its K + 1 intermediates, the gradient and a
+    # product) are allocated inside one custom op: the allocator's events see them, TapeSAC's CPU
+    # storage counter does not, as it sees no kernel's workspace.
+    workspace = (cfg["k"] + 3) * min(paper_bytes_tile(), cfg["batch"] * cfg["seq"]) * cfg["dim"] * 4
     for kind in data["claim3"]["kinds"]:
         rows = {r["policy"]: r for r in kind["rows"]}
         # the counter inside the kernel: once per block when kept, twice when backward recomputes it
         assert rows["eager no AC"]["kernel_calls_per_step"] == blocks
         assert rows["eager full AC"]["kernel_calls_per_step"] == 2 * blocks
         for name, r in rows.items():
-            if name.startswith("TapeSAC @"):  # eager TapeSAC: the allocator's events agree with its meter
-                assert r["peak_bytes"] <= r["limit_bytes"], (kind["kind"], r)
+            if name.startswith("TapeSAC @"):  # eager TapeSAC: under its limit but for the kernel's workspace
+                assert r["peak_bytes"] <= r["limit_bytes"] + workspace, (kind["kind"], r)
     page = (tmp_path / "paper.md").read_text()
     for heading in ("## 1. Replay vs full AC", "## 2. The MoE batch sweep", "## 3. Bytes are not cost",
                     "## 4. End to end"):
@@ -45,6 +50,13 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
     assert (tmp_path / "paper_bytes_vs_cost.png").stat().st_size > 0
     assert (tmp_path / "paper_moe_batch_sweep.png").stat().st_size > 0
     assert (tmp_path / "paper_end_to_end_losses.png").stat().st_size > 0
+
+
+def paper_bytes_tile() -> int:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import paper_bytes
+
+    return paper_bytes.TILE
 
 
 def test_the_bytes_experiment_kernel_computes_its_function_and_its_gradient():

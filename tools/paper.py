@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -478,7 +479,9 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
                   "(`wrap(compile=True)`) runs TapeSAC's plan through torch.compile, so it and the budget use the "
                   "same kernels and are measured by the same meter: the step peak is parameters, gradients, "
                   "optimizer state and batch plus the CPU allocator's highest running total in a step (the "
-                  "profiler's allocator events, which see compiled code). *kernel runs* counts the custom "
+                  "profiler's allocator events, which see compiled code, and also the kernel's tile temporaries, which "
+                  "TapeSAC's CPU storage counter does not: on CPU it sees no kernel's workspace, on CUDA it plans "
+                  "from the allocator's statistics). *kernel runs* counts the custom "
                   f"kernel's forwards per step: {cfg['blocks']} when its output is kept, "
                   f"{2 * cfg['blocks']} when backward recomputes it. Step times are medians over "
                   f"{cfg['rounds']} interleaved rounds of {cfg['steps']} steps.", ""]
@@ -597,7 +600,7 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    data: dict = {"command": "python tools/paper.py " + " ".join(sys.argv[1:]), "commit": commit,
+    data: dict = {"command": "python tools/paper.py " + shlex.join(sys.argv[1:]), "commit": commit,
                   "date": date.today().isoformat(),
                   "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                              f"Python {platform.python_version()}"}
