@@ -72,3 +72,13 @@ def test_the_bytes_experiment_kernel_computes_its_function_and_its_gradient():
     p = torch.randn(16, 5, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.allclose(paper_bytes.chain(h, w, p), paper_bytes._chain(h, w) @ p)
     assert torch.autograd.gradcheck(paper_bytes.chain, (h, w, p))
+
+
+def test_the_harnesses_refuse_what_they_cannot_run_before_running_anything(tmp_path):
+    cases = [(["tools/paper_bytes.py", "--kinds", "equal,wide"], "unknown block kind(s) wide"),
+             (["tools/paper.py", "--claims", "5", "--out", str(tmp_path)], "runs claims 1, 2, 3, 4 and 6"),
+             (["tools/paper.py", "--claims", "1;2", "--out", str(tmp_path)], "not a comma-separated list")]
+    for args, message in cases:
+        out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-2000:])
+    assert not (tmp_path / "paper.json").exists()

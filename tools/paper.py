@@ -586,7 +586,12 @@ def main() -> None:
         args.rounds = len(next(iter(data["claim1"].values()))["rounds"]) if "claim1" in data else 0
         (out / "paper.md").write_text(page(data, args, out))
         return
-    claims = {int(c) for c in args.claims.split(",") if c}
+    try:
+        claims = {int(c) for c in args.claims.split(",") if c}
+    except ValueError:
+        ap.error(f"--claims: {args.claims!r} is not a comma-separated list of claim numbers")
+    if not claims or claims - {1, 2, 3, 4, 6}:
+        ap.error(f"--claims: this harness runs claims 1, 2, 3, 4 and 6; got {args.claims!r}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     jobs = args.jobs.split(",") if args.jobs else (["llama3"] if args.quick else list(JOBS))
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2, 4] if args.quick else [2, 4, 6, 8])

@@ -126,6 +126,8 @@ chain.register_autograd(_backward, setup_context=_setup)
 class Block(nn.Module):
     def __init__(self, kind: str, dim: int, k: int) -> None:
         super().__init__()
+        if kind not in ("equal", "tiny"):
+            raise ValueError(f"unknown block kind {kind!r}: equal or tiny")
         self.kind = kind
         self.norm = nn.RMSNorm(dim)
         self.w = nn.Parameter(torch.randn(k, dim, dim) / math.sqrt(dim))
@@ -296,6 +298,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=6, help="steps before measuring (TapeSAC profiles and plans)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    unknown = set(args.kinds.split(",")) - {"equal", "tiny"}
+    if unknown:
+        ap.error(f"--kinds: unknown block kind(s) {', '.join(sorted(unknown))}; choose from equal, tiny")
     if args.quick:
         args.blocks, args.dim, args.seq, args.rounds, args.budgets = 2, 64, 64, 1, "0.5"
     torch.manual_seed(0)
