@@ -317,7 +317,7 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
         "3/4": full_ac + 0.75 * (no_ac - full_ac), "no AC": no_ac,
     }
     from tapesac.errors import PlanError
-    from torchtitan_ext.errors import TapeSACExit
+    from torchtitan_ext.errors import TapeSACExit, raising
 
     planned = [(f"TapeSAC @ {where} peak", limit, []) for where, limit in limits.items()]
     if compile_budgets:  # compiled mode beside torch.compile's budgets
@@ -335,10 +335,11 @@ def bench_model(label: str, spec: ModelSpec, rounds: int, compile_budgets: list[
             # warm-up, profile, verify (re-plan if needed), planned; compiled mode measures its
             # compiled steps and may re-plan into their slack, each plan verified in turn
             i = 0
-            while i < 4 or (extra and i < 12 and r.planner is not None
-                            and any(not e.verified for e in r.planner.plans.values())):
-                r.step(batches[i % len(batches)])
-                i += 1
+            with raising():  # an infeasible limit ends this policy, not the benchmark
+                while i < 4 or (extra and i < 12 and r.planner is not None
+                                and any(not e.verified for e in r.planner.plans.values())):
+                    r.step(batches[i % len(batches)])
+                    i += 1
         except (PlanError, TapeSACExit) as e:  # below what TapeSAC can reach (replay-only stands for it)
             log(f"  {name}: {getattr(e, 'error', e)}")
             continue
