@@ -4,7 +4,11 @@ seconds of ``train_step`` (forward, backward and optimizer step), and the peak o
 storages of one step (``$PAPER_METER_STEP``, 0-based; that step is metered, not timed: the meter
 costs per op). The meter is the one TapeSAC's planner uses on CPU, tracking the model and its
 optimizers' states as the planner does. With TapeSAC, also its plan: limit, predicted peak and
-recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``."""
+recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``.
+
+With ``$PAPER_GRAPHS`` set, the first profiled step's block graphs (measured op times, storage
+bytes), each value's shape and element size, and the step's measured memory windows are written
+there as JSON (``tools/paper_shape.py`` plans a larger model's layer pattern from them)."""
 
 import atexit
 import json
@@ -56,7 +60,53 @@ def _patch(trainer_cls) -> None:
     trainer_cls.train_step = timed_train_step
 
 
+def _capture_graphs(path: str) -> None:
+    import dataclasses
+
+    from tapesac.autoplan.plans import PlanMaker
+
+    plan_profiled = PlanMaker.plan_profiled
+
+    def capture(self, key, step, memory, orders):
+        why = plan_profiled(self, key, step, memory, orders)
+        if why is None and not os.path.exists(path):
+            tapes = dict(step.tapes)
+            entry = self.plans[key]
+            blocks = {str(b): {"graph": g.to_json(),
+                               "value_shapes": [list(v.shape) for v in tapes[b].values],
+                               "value_itemsize": [v.dtype.itemsize for v in tapes[b].values]}
+                      for b, g in entry.graphs.items()}
+            data = {"blocks": blocks, "memory": [dataclasses.asdict(w) for w in entry.memory.windows]}
+            with open(path, "w") as f:
+                json.dump(data, f)
+        return why
+
+    PlanMaker.plan_profiled = capture
+
+
+def _add_layer_sizes(path: str) -> None:
+    """Each block's parameter bytes, those of its routed experts and how many experts it holds,
+    into the graphs' file."""
+    if not _trainer or not os.path.exists(path):
+        return
+    layers = _trainer[0].model_parts[0].layers
+    sizes = []
+    for layer in (layers.values() if hasattr(layers, "values") else layers):
+        named = list(layer.named_parameters())
+        experts = [p for n, p in named if "routed_experts." in n]
+        sizes.append({"param_bytes": sum(p.numel() * p.element_size() for _n, p in named),
+                      "expert_param_bytes": sum(p.numel() * p.element_size() for p in experts),
+                      "local_experts": experts[0].shape[0] if experts else 0})
+    with open(path) as f:
+        data = json.load(f)
+    data["layers"] = sizes
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
 def _dump() -> None:
+    if os.environ.get("PAPER_GRAPHS"):
+        _add_layer_sizes(os.environ["PAPER_GRAPHS"])
     tapesac = getattr(_trainer[0], "tapesac", None) if _trainer else None
     if tapesac is not None:
         planner = tapesac.handle.planner
@@ -77,5 +127,7 @@ def _dump() -> None:
 
 if __name__ == "__main__":
     _patch(torchtitan.trainer.Trainer)
+    if os.environ.get("PAPER_GRAPHS"):
+        _capture_graphs(os.environ["PAPER_GRAPHS"])
     atexit.register(_dump)
     torchtitan.train.main()

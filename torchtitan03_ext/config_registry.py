@@ -130,6 +130,55 @@ def deepseek_v3_debug_cpu() -> Trainer.Config:
                       cpu_capacity_gib=DEEPSEEK_V3_CAPACITY)
 
 
+PROBE_TOKENS = 576
+"""Tokens per step of the layer probes (``qwen35_*_layers_cpu``): 9 chunks of the DeltaNet kernel's
+64, and no multiple of it is a width of Qwen3.5-397B-A17B, so a tensor dimension that is a
+multiple of it counts tokens (``tools/paper_shape.py`` scales those)."""
+
+
+def _local_experts(moe, n: int):
+    """``moe`` (an MoE config) with ``n`` experts: what one expert-parallel rank holds."""
+    routed = moe.routed_experts
+    return dataclasses.replace(
+        moe, num_experts=n,
+        routed_experts=dataclasses.replace(
+            routed, inner_experts=dataclasses.replace(routed.inner_experts, num_experts=n),
+            token_dispatcher=dataclasses.replace(routed.token_dispatcher, num_experts=n)),
+        router=dataclasses.replace(moe.router, num_experts=n,
+                                   gate=dataclasses.replace(moe.router.gate, out_features=n)))
+
+
+def _layers_probe(flavor: str, dump_folder: str) -> Trainer.Config:
+    """Two blocks of Qwen3.5 ``flavor`` (a gated-DeltaNet block and a full-attention block, both
+    MoE, at the flavor's widths) with as many local experts as it routes each token to, on one
+    CPU rank: one sequence of :data:`PROBE_TOKENS` tokens a step. For ``tools/paper_shape.py``,
+    which plans the flavor's whole layer pattern from these blocks' measured costs."""
+    from torchtitan.models.qwen3_5 import model_registry
+
+    spec = model_registry(flavor, moe_comm_backend="standard")
+    kinds = [spec.model.layers[0], spec.model.layers[3]]  # every fourth block has full attention
+    assert kinds[0].delta_net is not None and kinds[1].attention is not None
+    top_k = kinds[0].moe.router.top_k
+    layers = [dataclasses.replace(layer, moe=_local_experts(layer.moe, top_k)) for layer in kinds]
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers))
+    config = _debug_cpu(spec, dump_folder, cpu_capacity_gib=1024.0)
+    config.training = TrainingConfig(local_batch_size=1, seq_len=PROBE_TOKENS, steps=4,
+                                     mixed_precision_param="float32", disable_cuda_graphs=True)
+    return config
+
+
+def qwen35_397b_layers_cpu() -> Trainer.Config:
+    """Qwen3.5-397B-A17B's two block kinds at its widths (dim 4096, 32 query heads of 256, DeltaNet
+    16 key and 64 value heads of 128, experts of 1024), 10 local experts, 576 tokens a step: about
+    0.5 B parameters on one CPU rank."""
+    return _layers_probe("397B-A17B", "./outputs/qwen35_397b_layers_cpu03")
+
+
+def qwen35_debug_layers_cpu() -> Trainer.Config:
+    """As :func:`qwen35_397b_layers_cpu` at the MoE debug model's widths (dim 256): seconds a step."""
+    return _layers_probe("debugmodel_moe", "./outputs/qwen35_debug_layers_cpu03")
+
+
 def llama3_8b() -> Trainer.Config:
     """torchtitan's llama3 8B job (8192 tokens per rank, C4) with TapeSAC at 90% of GPU memory
     instead of selective AC. Needs the model's HF assets (``hf_assets_path``) and GPUs."""
