@@ -43,10 +43,17 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
         for name, r in rows.items():
             if name.startswith("TapeSAC @"):  # eager TapeSAC: under its limit but for the kernel's workspace
                 assert r["peak_bytes"] <= r["limit_bytes"] + workspace, (kind["kind"], r)
+    shape = data["claim5"]
+    assert len(shape["pattern"]) == 60 and shape["pattern"].count("A") == 15  # full attention every fourth
+    assert shape["planner"]["predicted_peak_bytes"] <= shape["limit_bytes"]
+    assert all(k["ops_scaled"] > 0 for k in shape["kinds"].values())
+    assert set(shape["policies"]) == {"full AC", "selective (0.3 list)", "selective (0.2.x list)",
+                                      "TapeSAC replay-only", "uniform per-block budget"}
     page = (tmp_path / "paper.md").read_text()
     for heading in ("## 1. Replay vs full AC", "## 2. The MoE batch sweep", "## 3. Bytes are not cost",
-                    "## 4. End to end"):
+                    "## 4. End to end", "## 5. The 397B's layer pattern"):
         assert heading in page
+    assert (tmp_path / "paper_397b_pattern.png").stat().st_size > 0
     assert (tmp_path / "paper_bytes_vs_cost.png").stat().st_size > 0
     assert (tmp_path / "paper_moe_batch_sweep.png").stat().st_size > 0
     assert (tmp_path / "paper_end_to_end_losses.png").stat().st_size > 0
@@ -76,9 +83,38 @@ def test_the_bytes_experiment_kernel_computes_its_function_and_its_gradient():
 
 def test_the_harnesses_refuse_what_they_cannot_run_before_running_anything(tmp_path):
     cases = [(["tools/paper_bytes.py", "--kinds", "equal,wide"], "unknown block kind(s) wide"),
-             (["tools/paper.py", "--claims", "5", "--out", str(tmp_path)], "runs claims 1, 2, 3, 4 and 6"),
+             (["tools/paper.py", "--claims", "7", "--out", str(tmp_path)], "runs claims 1 to 6"),
              (["tools/paper.py", "--claims", "1;2", "--out", str(tmp_path)], "not a comma-separated list")]
     for args, message in cases:
         out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-2000:])
     assert not (tmp_path / "paper.json").exists()
+
+
+def test_the_397b_experiment_scales_what_counts_tokens_and_costs_op_lists_as_torch_runs_them():
+    """Claim 5's scaling: storages and ops with a dimension that is a multiple of the probe's
+    tokens grow with the tokens (attention's score product with their square) and halve to
+    bf16; produced storages without one (weight casts) cost nothing; a save list keeps its ops' outputs, every other matmul, and reruns the rest."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import paper_shape
+    from tapesac.planner.graph import BlockGraph
+
+    tokens = 576
+    # x (input) -> mm -> y; weight-only op w -> t; y -> sdpa -> z; z -> mm -> u (second mm)
+    g = BlockGraph(op_time_s=[1.0, 2.0, 3.0, 4.0], op_deps=[[0, 1], [1], [2], [4, 3]],
+                   value_op=[-1, -1, 0, 1, 2, 3], value_storage=[0, 1, 2, 3, 4, 5],
+                   storage_bytes=[10.0, 20.0, 30.0, 40.0, 50.0, 60.0], read=[2, 4, 5],
+                   op_names=["aten.mm.default", "aten.t.default",
+                             "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.mm.default"])
+    shapes = [[1, tokens, 8], [8, 8], [1, tokens, 8], [8, 8], [1, tokens, 8], [2 * tokens, 8]]
+    block = {"graph": g.to_json(), "value_shapes": shapes, "value_itemsize": [4] * 6}
+    scaled, info = paper_shape.scale_graph(block, tokens, 4.0)
+    assert scaled.op_time_s == [4.0, 2.0, 48.0, 16.0]
+    assert scaled.storage_bytes == [20.0, 0.0, 60.0, 0.0, 100.0, 120.0]
+    assert info["ops_scaled"] == 3
+    full = paper_shape.torch_checkpoint_point(g, None)
+    assert full.kept == () and full.time == 10.0
+    listed = paper_shape.torch_checkpoint_point(g, paper_shape.SAVE_02)
+    # the first mm and attention are saved; the second mm is recomputed (every other)
+    assert listed.kept == (2, 4) and listed.time == 2.0 + 4.0  # t and the second mm rerun
+    assert listed.memory == 30.0 + 50.0

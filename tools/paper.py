@@ -24,10 +24,14 @@ Claims (the paper's numbers beside ours in the page):
    each budget's measured peak.
 4. End to end: TapeSAC planned, full AC and selective AC, each a whole run (warm-up, profiling
    and planning included in the wall time), losses against ``:none``'s bit for bit.
+5. The 397B's layer pattern (a planning experiment): ``tools/paper_shape.py`` (in its own
+   process) probes Qwen3.5-397B-A17B's two block kinds at its widths on CPU and plans its 60
+   blocks from their measured costs, scaled to a GPU rank's tokens, against full AC, the
+   ``selective`` op lists and a uniform budget; the planner's wall time at that shape.
 6. Ablations (a planning experiment): the allocation MILP against greedy and a uniform budget.
 
-Claim 5 (the 397B layer pattern), and claim 3 on the Qwen3.5 job's own DeltaNet blocks, are listed
-in the page as not yet run by this harness. ``--merge`` reruns some claims and keeps the others.
+Claim 3 on the Qwen3.5 job's own DeltaNet blocks is listed in the page as not yet run by this
+harness. ``--merge`` reruns some claims and keeps the others.
 """
 
 from __future__ import annotations
@@ -270,6 +274,46 @@ def claim6(quick: bool, log) -> dict:
             "frontier_points": [len(f) for f in fronts], "rows": rows}
 
 
+# Claim 5 ---------------------------------------------------------------------------------------
+
+def claim5(quick: bool, log) -> dict:
+    """``tools/paper_shape.py`` in its own process: probe the block kinds, plan the 397B's pattern."""
+    with tempfile.TemporaryDirectory(prefix="paper_shape_") as d:
+        path = Path(d) / "shape.json"
+        cmd = [sys.executable, "tools/paper_shape.py", "--json", str(path), *(["--quick"] if quick else [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError("claim 5: tools/paper_shape.py failed:\n" + (out.stdout + out.stderr)[-3000:])
+        for line in out.stdout.splitlines():
+            if "claim 5" in line:
+                log(line.split("] ", 1)[-1])
+        return json.loads(path.read_text())
+
+
+def plot_shape(c5: dict, path: Path) -> None:
+    """The 397B pattern's step frontier with every policy's point and the limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    f = c5["frontier"]
+    ax.plot([p["peak_bytes"] / GIB for p in f], [p["recompute_s"] for p in f], "-o", ms=3, label="TapeSAC frontier")
+    for name, p in c5["policies"].items():
+        if p is not None:
+            ax.plot(p["peak_bytes"] / GIB, p["recompute_s"], "s", label=name)
+    ax.axvline(c5["limit_bytes"] / GIB, color="red", ls="--", label="90% of an H200")
+    ax.set_xlabel("predicted step peak per rank (GiB)")
+    ax.set_ylabel("recompute per step (s, CPU-measured costs, scaled)")
+    ax.set_title("Qwen3.5-397B-A17B layer pattern (a planning experiment)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # The page --------------------------------------------------------------------------------------
 
 # Claim 3 ---------------------------------------------------------------------------------------
@@ -398,6 +442,70 @@ PAPER = {
     "Qwen3.5 dense": ("−3.0% (27B dense)", "−6.3%"),
     "Qwen3.5 MoE": ("−1.7% (35B-A3B MoE)", "−13.9%"),
 }
+
+
+def shape_section(data: dict) -> list[str]:
+    c = data["claim5"]
+    m, pl = c["memory_model"], c["planner"]
+    kinds = c["kinds"]
+    lines = ["## 5. The 397B's layer pattern (a planning experiment, not a training run)", "",
+             run_line(data, 5),
+             f"`tools/paper_shape.py`. **Measured**: one CPU rank trains `{c['probe']['config']}` "
+             f"(`torchtitan03_ext`), Qwen3.5-397B-A17B's two block kinds at its widths with "
+             f"{c['probe']['layers'][0]['local_experts']} local experts and {c['probe_tokens']} tokens; TapeSAC "
+             "profiles it as planned mode does (per-op times, storage bytes, the step's memory windows). "
+             f"**Scaled** to {c['tokens']} tokens per rank (×{c['scale']:.2f}): storages with a token dimension and "
+             "the times of ops that touch one grow linearly, attention's score product quadratically; "
+             "activation bytes halve (bf16 on the GPU, fp32 in the probe). Times stay CPU times. "
+             f"**Planned**: the 397B's {c['blocks']} blocks (gated DeltaNet, full attention every fourth) on one "
+             f"rank of {c['gpus']} H200s, FSDP2 with EP {c['ep']} and no TP: sharded states "
+             f"{m['states_bytes'] / GIB:.1f} GiB, two layers' gathered bf16 weights {m['gathered_bytes'] / GIB:.1f} GiB, "
+             f"one layer's fp32 gradients in backward {m['gradient_bytes'] / GIB:.1f} GiB, block input "
+             f"{m['block_input_bytes'] / GIB:.3f} GiB. Limit: 90% of an H200 ({c['limit_bytes'] / GIB:.1f} GiB).", "",
+             "| block kind | ops | values | read by backward | produced bytes without a token dimension |",
+             "|---|---|---|---|---|"]
+    for name, k in kinds.items():
+        lines.append(f"| {name} | {k['ops']} | {k['values']} | {k['read']} | "
+                     f"{k['produced_bytes_not_token'] / max(k['produced_bytes_probe'], 1):.1%} |")
+    lines += ["", f"**Planner wall time at this shape** (this machine, one thread): block frontiers "
+              f"{pl['block_frontiers_s']:.2f} s ({', '.join(c['block_frontier_points'].values())} points), "
+              f"one plan as planned mode makes it {pl['one_plan_s']:.2f} s ({pl['status']}), the step frontier "
+              f"({len(c['frontier'])} points) {pl['step_frontier_s']:.2f} s. Step frontier: "
+              f"{pl['smallest_peak_bytes'] / GIB:.1f} GiB (everything recomputed) to "
+              f"{pl['largest_useful_peak_bytes'] / GIB:.1f} GiB. At the limit TapeSAC predicts "
+              f"{pl['predicted_peak_bytes'] / GIB:.1f} GiB and {pl['recompute_s']:.2f} s of recompute per step.", "",
+              "| policy | predicted peak (GiB) | fits 90% | recompute (s) | TapeSAC at that peak (s) | difference |",
+              "|---|---|---|---|---|---|"]
+    for name, r in c["policies"].items():
+        if r is None:
+            lines.append(f"| {name} | no budget fits | | | | |")
+            continue
+        t = r["tapesac_at_same_peak"]
+        if "recompute_s" in t:
+            diff = t["recompute_s"] - r["recompute_s"]
+            rel = pct(t["recompute_s"] / r["recompute_s"] - 1) if r["recompute_s"] > 0 else "—"
+            cell = f"{t['recompute_s']:.2f} | {diff:+.2f} s ({rel})"
+        else:
+            cell = "below TapeSAC's floor | —"
+        lines.append(f"| {name} | {r['peak_bytes'] / GIB:.1f} | {'yes' if r['fits_limit'] else '**no**'} | "
+                     f"{r['recompute_s']:.2f} | {cell} |")
+    lines += ["", "Full AC and the two `selective` op lists are costed as torch's checkpoint runs them: the "
+              "outputs of saved ops are kept and every other op reruns in backward. *uniform*: every block the "
+              "same kept-bytes budget among TapeSAC's points, the largest that fits the limit.", "",
+              "![397B pattern](paper_397b_pattern.png)", "",
+              f"Claim 6 at this shape: the allocation at three limits across the step frontier; *long MILP* is "
+              f"given {c['long_s']:.0f} s.", "",
+              "| limit (fraction of the frontier) | default | greedy | long MILP |", "|---|---|---|---|"]
+    for r in c["ablation"]:
+        best = r["long MILP"]["recompute_s"]
+
+        def cell(x):
+            gap = x["recompute_s"] / best - 1 if best > 0 else 0.0
+            return f"{x['recompute_s']:.3f} s ({pct(gap)}; {x['status']}, {x['solve_s']:.2f} s)"
+        lines.append(f"| {r['limit_fraction']:.2f} | {cell(r['default'])} | {cell(r['greedy'])} | "
+                     f"{cell(r['long MILP'])} |")
+    lines += ["", data.get("claim5_verdict", ""), ""]
+    return lines
 
 
 def page(data: dict, args: argparse.Namespace, out: Path) -> str:
@@ -551,19 +659,21 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
             lines.append(f"| {r['limit_fraction']:.2f} | {cell(r['default'])} | {cell(r['greedy'])} | "
                          f"{cell(r['uniform'])} | {cell(r['long MILP'])} |")
         lines += ["", data.get("claim6_verdict", ""), ""]
+    if "claim5" in data:
+        lines += shape_section(data)
     lines += ["## Not yet run by this harness", "",
               "- **3. on the Qwen3.5 job's own gated-DeltaNet blocks** (above: blocks built to make the point). "
               "On CPU their kernels are stand-ins written through numpy (`torchtitan03_ext/fla_cpu.py`), which "
               "torch.compile cannot trace; on a GPU fla's Triton kernels are traced, and the comparison needs one.",
-              "- **5. The 397B's layer pattern** (a planning experiment).",
-              "- **6. on real jobs' graphs and at the 397B shape** (above: a synthetic step only).", ""]
+              "- **5. with the probe under tensor parallelism** (torchtitan's 397B job runs TP 8; the probe "
+              "models a rank without it).", ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one job, one round, short runs (a smoke run, < 10 min)")
-    ap.add_argument("--claims", default="1,2,3,4,6")
+    ap.add_argument("--claims", default="1,2,3,4,5,6")
     ap.add_argument("--merge", action="store_true",
                     help="keep OUT/paper.json's other claims; replace only the ones run now (each claim's section "
                          "then names its own command, commit and date)")
@@ -590,8 +700,8 @@ def main() -> None:
         claims = {int(c) for c in args.claims.split(",") if c}
     except ValueError:
         ap.error(f"--claims: {args.claims!r} is not a comma-separated list of claim numbers")
-    if not claims or claims - {1, 2, 3, 4, 6}:
-        ap.error(f"--claims: this harness runs claims 1, 2, 3, 4 and 6; got {args.claims!r}")
+    if not claims or claims - {1, 2, 3, 4, 5, 6}:
+        ap.error(f"--claims: this harness runs claims 1 to 6; got {args.claims!r}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     jobs = args.jobs.split(",") if args.jobs else (["llama3"] if args.quick else list(JOBS))
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2, 4] if args.quick else [2, 4, 6, 8])
@@ -636,6 +746,9 @@ def main() -> None:
         if 2 in claims:
             data["claim2"] = timed(2, lambda: claim2(batches, steps if not args.quick else 5, tmp, log))
             plot_sweep(data["claim2"], out / "paper_moe_batch_sweep.png")
+        if 5 in claims:
+            data["claim5"] = timed(5, lambda: claim5(args.quick, log))
+            plot_shape(data["claim5"], out / "paper_397b_pattern.png")
         if 6 in claims:
             data["claim6"] = timed(6, lambda: claim6(args.quick, log))
         if 4 in claims:

@@ -10,7 +10,10 @@ nothing trains at that size here.
    dimension that is a multiple of ``PROBE_TOKENS`` counts tokens (no width of the model is one):
    a storage with such a dimension grows ``r`` times, and so does the time of an op that reads
    or writes one, except attention's score product, which grows ``r**2``. Activations are
-   bf16 on the GPU, fp32 in the probe: their bytes are halved. Per-op times stay CPU times: the
+   bf16 on the GPU, fp32 in the probe: their bytes are halved. A produced storage without a
+   token dimension derives from weights alone (the bf16 casts of the expert weights that the
+   CPU's grouped matmul reads); on the GPU it is FSDP2's gathered bf16 weight, counted with the
+   gathered weights, so it costs nothing to hold. Per-op times stay CPU times: the
    plan weighs them against each other, and a GPU's ratio of matmul to elementwise speed is
    not this CPU's.
 3. **Plan** the 397B's pattern, 60 blocks, full attention every fourth, on one rank of
@@ -124,7 +127,10 @@ def scale_graph(block: dict, probe_tokens: int, r: float) -> tuple[BlockGraph, d
         storage_token[s] = storage_token[s] or token[v]
 
     def size(s: int, nbytes: float) -> float:
-        return nbytes * ACTIVATION_BYTES * (r if storage_token[s] else 1.0)
+        # Without a token dimension a produced storage derives from weights only: in the probe,
+        # the bf16 casts of the fp32 expert weights that the grouped matmul reads (and saves).
+        # On the GPU those are FSDP2's gathered bf16 parameters, counted with the gathered weights.
+        return nbytes * ACTIVATION_BYTES * r if storage_token[s] else 0.0
 
     outs = g.op_outputs()
     times = []
@@ -336,7 +342,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="probe the debug model's widths (a smoke run)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--graphs", default=None, help="reuse a probe's graphs file instead of probing")
+    ap.add_argument("--graphs", default=None, help="plan from this probe file (written by --save-graphs) instead of probing")
+    ap.add_argument("--save-graphs", default=None, help="write the probe's graphs, shapes and windows here")
     a = ap.parse_args()
     start = time.perf_counter()
 
@@ -348,6 +355,8 @@ def main() -> None:
     config = "qwen35_debug_layers_cpu" if a.quick else "qwen35_397b_layers_cpu"
     with tempfile.TemporaryDirectory(prefix="paper_shape_") as d:
         data = json.loads(Path(a.graphs).read_text()) if a.graphs else probe(config, Path(d), log)
+    if a.save_graphs:
+        Path(a.save_graphs).write_text(json.dumps(data))
     result = experiment(data, PROBE_TOKENS, a.quick, log)
     result["probe"] = {"config": config, "wall_s": data.get("wall_s"), "layers": data["layers"]}
     if a.json:

@@ -39,8 +39,10 @@ class PlanConfig:
     """Runs per op when timing (median)."""
     timing_reduction: str = "max"
     """How per-op times are combined across ranks: max, mean or median."""
-    solver_time_limit_s: float = 0.15
-    """Time limit of the allocation MILP that polishes the greedy plan (0: greedy only)."""
+    solver_time_limit_s: float = 0.5
+    """Time limit of the allocation MILP that polishes the greedy plan (0: greedy only). At
+    Qwen3.5-397B-A17B's 60-block pattern (``tools/paper_shape.py``) the MILP reached the optimum
+    within 0.4 s at every limit tried, where 0.15 s left the greedy plan up to 1.6% slower."""
     points_per_block: int = 12
     """Points of each kind's frontier the allocation chooses from."""
     frontier_points: int = 24
