@@ -474,11 +474,12 @@ def shape_section(data: dict) -> list[str]:
               f"{pl['smallest_peak_bytes'] / GIB:.1f} GiB (everything recomputed) to "
               f"{pl['largest_useful_peak_bytes'] / GIB:.1f} GiB. At the limit TapeSAC predicts "
               f"{pl['predicted_peak_bytes'] / GIB:.1f} GiB and {pl['recompute_s']:.2f} s of recompute per step.", "",
-              "| policy | predicted peak (GiB) | fits 90% | recompute (s) | TapeSAC at that peak (s) | difference |",
-              "|---|---|---|---|---|---|"]
+              "| policy | predicted peak (GiB) | fits 90% | recompute (s) | TapeSAC at that peak (s) | difference | "
+              "TapeSAC's smallest peak at no more recompute (GiB) | difference |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, r in c["policies"].items():
         if r is None:
-            lines.append(f"| {name} | no budget fits | | | | |")
+            lines.append(f"| {name} | no budget fits | | | | | | |")
             continue
         t = r["tapesac_at_same_peak"]
         if "recompute_s" in t:
@@ -487,8 +488,11 @@ def shape_section(data: dict) -> list[str]:
             cell = f"{t['recompute_s']:.2f} | {diff:+.2f} s ({rel})"
         else:
             cell = "below TapeSAC's floor | —"
+        same = r.get("tapesac_at_same_recompute")
+        mem = (f"{same['peak_bytes'] / GIB:.1f} | {pct(same['peak_bytes'] / r['peak_bytes'] - 1)}" if same
+               else "none | —")
         lines.append(f"| {name} | {r['peak_bytes'] / GIB:.1f} | {'yes' if r['fits_limit'] else '**no**'} | "
-                     f"{r['recompute_s']:.2f} | {cell} |")
+                     f"{r['recompute_s']:.2f} | {cell} | {mem} |")
     lines += ["", "Full AC and the two `selective` op lists are costed as torch's checkpoint runs them: the "
               "outputs of saved ops are kept and every other op reruns in backward. *uniform*: every block the "
               "same kept-bytes budget among TapeSAC's points, the largest that fits the limit.", "",
