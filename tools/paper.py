@@ -462,32 +462,40 @@ def shape_section(data: dict) -> list[str]:
              f"{m['states_bytes'] / GIB:.1f} GiB, two layers' gathered bf16 weights {m['gathered_bytes'] / GIB:.1f} GiB, "
              f"one layer's fp32 gradients in backward {m['gradient_bytes'] / GIB:.1f} GiB, block input "
              f"{m['block_input_bytes'] / GIB:.3f} GiB. Limit: 90% of an H200 ({c['limit_bytes'] / GIB:.1f} GiB).", "",
-             "| block kind | ops | values | read by backward | produced bytes without a token dimension |",
-             "|---|---|---|---|---|"]
+             "| block kind | ops | values | read by backward | forward ops, scaled (s) | produced bytes without a "
+             "token dimension (weight casts, free on the GPU) |",
+             "|---|---|---|---|---|---|"]
     for name, k in kinds.items():
-        lines.append(f"| {name} | {k['ops']} | {k['values']} | {k['read']} | "
+        lines.append(f"| {name} | {k['ops']} | {k['values']} | {k['read']} | {k['op_s_scaled']:.2f} | "
                      f"{k['produced_bytes_not_token'] / max(k['produced_bytes_probe'], 1):.1%} |")
+    by_kind = list(kinds.values())  # "D" blocks are the first kind, "A" the second
+    forward = sum(by_kind[1 if ch == "A" else 0]["op_s_scaled"] for ch in c["pattern"])
+    step0 = 3 * forward  # forward, and a backward estimated at twice the forward
     lines += ["", f"**Planner wall time at this shape** (this machine, one thread): block frontiers "
-              f"{pl['block_frontiers_s']:.2f} s ({', '.join(c['block_frontier_points'].values())} points), "
+              f"{pl['block_frontiers_s']:.2f} s ({', '.join(str(n) for n in c['block_frontier_points'].values())} points), "
               f"one plan as planned mode makes it {pl['one_plan_s']:.2f} s ({pl['status']}), the step frontier "
               f"({len(c['frontier'])} points) {pl['step_frontier_s']:.2f} s. Step frontier: "
               f"{pl['smallest_peak_bytes'] / GIB:.1f} GiB (everything recomputed) to "
               f"{pl['largest_useful_peak_bytes'] / GIB:.1f} GiB. At the limit TapeSAC predicts "
               f"{pl['predicted_peak_bytes'] / GIB:.1f} GiB and {pl['recompute_s']:.2f} s of recompute per step.", "",
-              "| policy | predicted peak (GiB) | fits 90% | recompute (s) | TapeSAC at that peak (s) | difference | "
-              "TapeSAC's smallest peak at no more recompute (GiB) | difference |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"Recompute is per step, in the probe's CPU seconds scaled; a step without recompute is estimated at "
+              f"three times the blocks' forward ops, {step0:.0f} s (backward at twice the forward), and *step* "
+              "columns add the recompute to it.", "",
+              "| policy | predicted peak (GiB) | fits 90% | recompute (s) | TapeSAC at that peak (s) | difference "
+              "| step, estimated | TapeSAC's smallest peak at no more recompute (GiB) | difference |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in c["policies"].items():
         if r is None:
-            lines.append(f"| {name} | no budget fits | | | | | | |")
+            lines.append(f"| {name} | no budget fits | | | | | | | |")
             continue
         t = r["tapesac_at_same_peak"]
         if "recompute_s" in t:
             diff = t["recompute_s"] - r["recompute_s"]
             rel = pct(t["recompute_s"] / r["recompute_s"] - 1) if r["recompute_s"] > 0 else "—"
-            cell = f"{t['recompute_s']:.2f} | {diff:+.2f} s ({rel})"
+            step = pct((step0 + t["recompute_s"]) / (step0 + r["recompute_s"]) - 1)
+            cell = f"{t['recompute_s']:.2f} | {diff:+.2f} s ({rel}) | {step}"
         else:
-            cell = "below TapeSAC's floor | —"
+            cell = "below TapeSAC's floor | — | —"
         same = r.get("tapesac_at_same_recompute")
         mem = (f"{same['peak_bytes'] / GIB:.1f} | {pct(same['peak_bytes'] / r['peak_bytes'] - 1)}" if same
                else "none | —")
@@ -498,7 +506,9 @@ def shape_section(data: dict) -> list[str]:
               "same kept-bytes budget among TapeSAC's points, the largest that fits the limit.", "",
               "![397B pattern](paper_397b_pattern.png)", "",
               f"Claim 6 at this shape: the allocation at three limits across the step frontier; *long MILP* is "
-              f"given {c['long_s']:.0f} s.", "",
+              f"given {c['long_s']:.0f} s. Status *greedy* in a MILP column: the MILP found nothing better than "
+              "the greedy start (in the long MILP's column, within its time, so the greedy plan is optimal "
+              "where it finished early).", "",
               "| limit (fraction of the frontier) | default | greedy | long MILP |", "|---|---|---|---|"]
     for r in c["ablation"]:
         best = r["long MILP"]["recompute_s"]
