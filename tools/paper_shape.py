@@ -231,8 +231,8 @@ def torch_checkpoint_point(g: BlockGraph, save: set[str] | None) -> Point:
 
 def uniform_choice(memory: StepMemory, frontiers: dict[int, list[Point]], deltas, limit: float,
                    n: int) -> dict[int, int] | None:
-    """Every block the same kept-bytes budget among its first ``n`` (TapeSAC) points: the
-    largest budget whose choice fits ``limit``."""
+    """Every block the same kept-bytes budget (its frontier's last point within it) among its
+    first ``n`` (TapeSAC's) points: the largest budget whose choice fits ``limit``."""
     budgets = sorted({p.memory for pts in frontiers.values() for p in pts[:n]})
     best = None
     lo, hi = 0, len(budgets) - 1
