@@ -220,10 +220,10 @@ def claim6(quick: bool, log) -> dict:
     and the MILP given a long time limit (the optimum where it proves optimality)."""
     sys.path.insert(0, str(ROOT / "tools"))
     from bench_planner import synthetic_block, synthetic_memory
-    from paper_shape import uniform_choice
+    from paper_shape import ablation_row, uniform_choice
 
     from tapesac.autoplan import PlanConfig
-    from tapesac.planner.allocate import allocate, formula_deltas, largest_useful_peak, smallest_peak
+    from tapesac.planner.allocate import formula_deltas, largest_useful_peak, predicted_peak, smallest_peak
     from tapesac.planner.milp import frontier
 
     blocks, values = (16, 200) if quick else (64, 400)
@@ -237,13 +237,7 @@ def claim6(quick: bool, log) -> dict:
     rows = []
     for frac in (0.25, 0.5, 0.75):
         limit = lo + frac * (hi - lo)
-        row: dict = {"limit_fraction": frac, "limit_bytes": limit}
-        for name, seconds in (("default", PlanConfig.solver_time_limit_s), ("greedy", 0.0), ("long MILP", long_s)):
-            t0 = time.perf_counter()
-            a = allocate(memory, frontiers, limit, seconds, deltas)
-            row[name] = {"recompute_s": a.recompute_s, "peak_bytes": a.predicted_peak_bytes, "status": a.status,
-                         "solve_s": time.perf_counter() - t0}
-        from tapesac.planner.allocate import predicted_peak
+        row = {"limit_fraction": frac, **ablation_row(memory, frontiers, deltas, limit, long_s)}
         u = uniform_choice(memory, frontiers, deltas, limit, PlanConfig.points_per_block)
         row["uniform"] = (None if u is None else
                           {"recompute_s": sum(frontiers[b][i].time for b, i in u.items()),
