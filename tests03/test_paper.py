@@ -5,9 +5,12 @@ compares are the ones it says (exact losses where TapeSAC runs at or above repla
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +121,24 @@ def test_the_397b_experiment_scales_what_counts_tokens_and_costs_op_lists_as_tor
     # the first mm and attention are saved; the second mm is recomputed (every other)
     assert listed.kept == (2, 4) and listed.time == 2.0 + 4.0  # t and the second mm rerun
     assert listed.memory == 30.0 + 50.0
+
+
+@pytest.mark.parametrize("meter", ["storages", "allocator"])
+def test_the_probe_meters_a_planned_step_as_tapesac_does(tmp_path, meter):
+    """The probe's step peak (tools/paper_probe.py) on a planned step equals TapeSAC's own
+    measurement of its verified step of that shape. A probe that held the tensors it tracks
+    through the step would keep the last step's gradients alive (the step frees them in
+    zero_grad) and read one gradient set high: 23.5 MiB for this model."""
+    probe = tmp_path / "probe"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "tools.paper_probe", "--module", "torchtitan03_ext", "--config", "llama3_debug_cpu",
+           "--dump_folder", str(tmp_path / "dump"), "--training.steps", "7",
+           "activation-checkpoint:tapesac", "--activation-checkpoint.limit_gib", "0.13"]
+    env = {**os.environ, "PAPER_PROBE": str(probe), "PAPER_METER_STEP": "4", "PAPER_METER": meter,
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    record = json.loads(Path(f"{probe}.rank0.json").read_text())
+    verified = record["tapesac"]["history"][-1]
+    assert verified["predicted_peak_bytes"] is not None  # a step under the plan was measured
+    assert abs(record["peak_bytes"] - verified["measured_peak_bytes"]) <= 2**20, (record["peak_bytes"], verified)

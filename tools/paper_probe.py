@@ -3,8 +3,10 @@
 seconds of ``train_step`` (forward, backward and optimizer step), and the peak of live tensor
 storages of one step (``$PAPER_METER_STEP``, 0-based; that step is metered, not timed: the meter
 costs per op). The meter is the one TapeSAC's planner uses on CPU, tracking the model and its
-optimizers' states as the planner does. With TapeSAC, also its plan: limit, predicted peak and
-recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``.
+optimizers' states as the planner does; with ``$PAPER_METER=allocator``, the CPU allocator's
+events instead (``tapesac.meter.AllocatorPeak``: it sees compiled code, which a dispatch mode
+stops), over that step and the next, the second one's peak recorded. With TapeSAC, also its
+plan: limit, predicted peak and recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``.
 
 With ``$PAPER_GRAPHS`` set, the first profiled step's block graphs (measured op times, storage
 bytes), each value's shape and element size, and the step's measured memory windows are written
@@ -21,11 +23,25 @@ import torchtitan.trainer
 
 import torchtitan03_ext  # noqa: F401  (registers the CPU shim and the tapesac choice)
 from tapesac.autoplan.step import _tensors_of
-from tapesac.meter import CpuMeter
+from tapesac.meter import AllocatorPeak, CpuMeter
 
 _METER_STEP = int(os.environ.get("PAPER_METER_STEP", "-1"))
+_METER = os.environ.get("PAPER_METER", "storages")
 _record: dict = {"losses": [], "step_s": [], "peak_bytes": None}
 _trainer: list = []
+
+
+def _tracked(trainer) -> list:
+    """What lives across steps: the model's parameters, gradients and buffers, the optimizers' states."""
+    optimizers = getattr(trainer.optimizers, "optimizers", [trainer.optimizers])
+    return list(_tensors_of(list(trainer.model_parts))) + list(_tensors_of(optimizers))
+
+
+def _allocator_meter(trainer) -> tuple[AllocatorPeak, int]:
+    """An allocator meter watching what lives across steps (held weakly once entered), and the
+    bytes of that."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in _tracked(trainer)}
+    return AllocatorPeak(watch=storages.values()), sum(st.nbytes() for st in storages.values())
 
 
 def _patch(trainer_cls) -> None:
@@ -40,9 +56,23 @@ def _patch(trainer_cls) -> None:
         return loss
 
     def timed_train_step(self, *args, **kwargs):
-        if len(_record["step_s"]) == _METER_STEP:
-            optimizers = getattr(self.optimizers, "optimizers", [self.optimizers])
-            meter = CpuMeter(list(_tensors_of(list(self.model_parts))) + list(_tensors_of(optimizers)))
+        step = len(_record["step_s"])
+        # The meters hold what they track only until they start: a reference kept here would keep
+        # the last step's gradients alive through this step's backward (the step frees them in
+        # zero_grad) and add them to the peak measured.
+        if _METER == "allocator" and step in (_METER_STEP, _METER_STEP + 1):
+            # Sees compiled code (a dispatch mode stops fullgraph compiles). Two steps in a row:
+            # the profiler reports the free of a block only if a profiler ran when it was
+            # allocated, and the first metered step frees what the step before it allocated.
+            meter, base = _allocator_meter(self)
+            try:
+                with meter:
+                    return train_step(self, *args, **kwargs)
+            finally:
+                _record["peak_bytes"] = base + meter.peak_bytes
+                _record["step_s"].append(math.nan)
+        if step == _METER_STEP:
+            meter = CpuMeter(_tracked(self))
             meter.start()
             try:
                 return train_step(self, *args, **kwargs)
