@@ -46,6 +46,14 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
         for name, r in rows.items():
             if name.startswith("TapeSAC @"):  # eager TapeSAC: under its limit but for the kernel's workspace
                 assert r["peak_bytes"] <= r["limit_bytes"] + workspace, (kind["kind"], r)
+    compiled = data["claim1b"]["llama3"]
+    rows = data["claim1b_summary"]["llama3"]["rows"]
+    assert {"compile, no AC", "compile, full AC", "memory budget 0.8", "memory budget 0.5",
+            "memory budget 0.2"} <= set(rows) and not any(rows[n].get("failed") for n in rows if "TapeSAC" not in n)
+    for name, limit in compiled["limits"].items():  # TapeSAC+compile at a budget's peak: under it, or refused
+        for rd in compiled["rounds"]:
+            r = rd[name]
+            assert r.get("refused") or (not r["failed"] and r["peak_bytes"] <= limit + 2**20), (name, limit, r)
     shape = data["claim5"]
     assert len(shape["pattern"]) == 60 and shape["pattern"].count("A") == 15  # full attention every fourth
     assert shape["planner"]["predicted_peak_bytes"] <= shape["limit_bytes"]
@@ -53,7 +61,8 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
     assert set(shape["policies"]) == {"full AC", "selective (0.3 list)", "selective (0.2.x list)",
                                       "TapeSAC replay-only", "uniform per-block budget"}
     page = (tmp_path / "paper.md").read_text()
-    for heading in ("## 1. Replay vs full AC", "## 2. The MoE batch sweep", "## 3. Bytes are not cost",
+    for heading in ("## 1. Replay vs full AC", "### 1b. Against torch.compile's memory budget",
+                    "## 2. The MoE batch sweep", "## 3. Bytes are not cost",
                     "## 4. End to end", "## 5. The 397B's layer pattern"):
         assert heading in page
     assert (tmp_path / "paper_397b_pattern.png").stat().st_size > 0
@@ -86,7 +95,7 @@ def test_the_bytes_experiment_kernel_computes_its_function_and_its_gradient():
 
 def test_the_harnesses_refuse_what_they_cannot_run_before_running_anything(tmp_path):
     cases = [(["tools/paper_bytes.py", "--kinds", "equal,wide"], "unknown block kind(s) wide"),
-             (["tools/paper.py", "--claims", "7", "--out", str(tmp_path)], "runs claims 1 to 6"),
+             (["tools/paper.py", "--claims", "7", "--out", str(tmp_path)], "runs claims 1, 1b and 2 to 6"),
              (["tools/paper.py", "--claims", "1;2", "--out", str(tmp_path)], "not a comma-separated list")]
     for args, message in cases:
         out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)

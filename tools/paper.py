@@ -1,6 +1,6 @@
 """The paper's claims, run side by side on torchtitan 0.3's jobs; writes ``docs/paper.md``.
 
-    .venv03/bin/python tools/paper.py [--quick] [--claims 1,2,4] [--rounds 3] [--out docs]
+    .venv03/bin/python tools/paper.py [--quick] [--claims 1,1b,2,4] [--rounds 3] [--out docs]
 
 Every run is a real ``torchrun`` process (one CPU rank, one thread, FSDP2 skipped by torchtitan
 on one rank) of a ``torchtitan03_ext`` debug job, through ``tools/paper_probe.py``: per step its
@@ -17,6 +17,9 @@ Claims (the paper's numbers beside ours in the page):
 1. Replay alone against full AC at no more memory, and planned under 90% of the device against
    full AC: step time and peak, every policy once per round, rounds interleaved, ratios to full AC
    paired within a round.
+1b. The same, compiled, on the jobs torch.compile traces on CPU (llama3, qwen3 MoE): torch.compile's
+   memory budget (``:memory-budget`` at 0.8, 0.5, 0.2) against TapeSAC+compile at each budget's
+   measured peak, every peak read by the CPU allocator's events (they see compiled code).
 2. The MoE batch sweep: Qwen3.5 MoE at a fixed limit (its device at the smallest batch) and a
    growing local batch; where each policy first exceeds the limit, and TapeSAC re-planned at each.
 3. Bytes are not cost: ``tools/paper_bytes.py`` (in its own process, no torchtitan), a custom
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -69,20 +73,24 @@ PLANNED = "TapeSAC planned (90% of device)"
 
 
 def run(config: str, policy: list[str], steps: int, meter_step: int, tmp: Path, name: str,
-        extra: tuple[str, ...] = ()) -> dict:
-    """One ``torchrun`` process; its probe record plus the process's wall seconds."""
+        extra: tuple[str, ...] = (), meter: str = "storages") -> dict:
+    """One ``torchrun`` process; its probe record plus the process's wall seconds. ``meter``:
+    the probe's (``storages``, TapeSAC's CPU counter; ``allocator``, which sees compiled code)."""
     probe = tmp / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "tools.paper_probe", "--module", "torchtitan03_ext", "--config", config,
            "--dump_folder", str(tmp / f"{name}_dump"), "--training.steps", str(steps), *extra, *policy]
-    env = {**os.environ, "PAPER_PROBE": str(probe), "PAPER_METER_STEP": str(meter_step), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PAPER_PROBE": str(probe), "PAPER_METER_STEP": str(meter_step), "OMP_NUM_THREADS": "1",
+           "PAPER_METER": meter}
     start = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - start
     path = Path(f"{probe}.rank0.json")
     if out.returncode != 0 or not path.exists():
-        tail = (out.stdout + out.stderr)[-3000:]
-        return {"failed": True, "wall_s": wall, "log_tail": tail}
+        log = out.stdout + out.stderr
+        error = next((ln.split("error: ", 1)[-1] for ln in log.splitlines() if ln.startswith("[tapesac] error:")), None)
+        return {"failed": True, "wall_s": wall, "log_tail": log[-3000:], "error": error,
+                "refused": error is not None and "is infeasible" in error}
     record = json.loads(path.read_text())
     record["wall_s"] = wall
     record["failed"] = False
@@ -146,6 +154,85 @@ def summarise1(results: dict) -> dict:
                 "exact": base is not None and not base["failed"] and all(r["losses"] == base["losses"] for r in recs),
             }
         out[job] = rows
+    return out
+
+
+# Claim 1b --------------------------------------------------------------------------------------
+
+COMPILE_JOBS = ("llama3", "qwen3 MoE")
+"""The jobs torch.compile traces on CPU (Qwen3.5's kernels are numpy stand-ins here)."""
+BUDGETS = (0.8, 0.5, 0.2)
+COMPILE_BASELINES = {
+    "compile, no AC": ["activation-checkpoint:none"],
+    "compile, full AC": ["activation-checkpoint:full"],
+    **{f"memory budget {b}": ["activation-checkpoint:memory-budget", "--activation-checkpoint.memory-budget", str(b)]
+       for b in BUDGETS},
+}
+
+
+def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log) -> dict:
+    """Compiled runs: torch.compile's memory budget against TapeSAC+compile (compiled mode) at each
+    budget's measured peak, every policy once per round, the allocator meter for all."""
+    meter_step, timed_from = 6, 8  # warm-up, profile, verify and compiled re-plans, 2 metered
+    steps = max(steps, timed_from + 4)
+    results: dict = {}
+    for job in jobs:
+        config = JOBS[job]
+        per_round: list[dict] = []
+        limits: dict[str, float] = {}
+        for r in range(rounds):
+            got: dict = {}
+            names = list(COMPILE_BASELINES)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                got[name] = run(config, ["--compile.enable", *COMPILE_BASELINES[name]], steps, meter_step, tmp,
+                                f"{config}_c{r}_{len(got)}", meter="allocator")
+            if not limits:  # TapeSAC's limits: each budget's peak in the first round
+                limits = {f"TapeSAC+compile @ memory budget {b} peak": got[f"memory budget {b}"]["peak_bytes"]
+                          for b in BUDGETS if not got[f"memory budget {b}"]["failed"]}
+            tnames = list(limits)
+            for name in tnames[r % len(tnames):] + tnames[:r % len(tnames)]:
+                policy = ["--compile.enable", "activation-checkpoint:tapesac", "--activation-checkpoint.limit_gib",
+                          repr(math.ceil(limits[name]) / GIB)]
+                got[name] = run(config, policy, steps, meter_step, tmp, f"{config}_c{r}_{len(got)}", meter="allocator")
+            for name, rec in got.items():
+                log(f"claim 1b: {job}, round {r + 1}/{rounds}, {name}: " + (
+                    ("refused: " + rec["error"]) if rec.get("refused") else "failed" if rec["failed"] else
+                    f"{step_time(rec, timed_from) * 1e3:.0f} ms/step, peak {rec['peak_bytes'] / MIB:.1f} MiB"))
+            per_round.append(got)
+        results[job] = {"rounds": per_round, "timed_from": timed_from, "limits": limits}
+    return results
+
+
+def summarise1b(results: dict) -> dict:
+    """Per job and policy: median step, largest peak, losses against compile without AC's; per
+    budget, TapeSAC+compile at its peak against it (time paired within a round)."""
+    out: dict = {}
+    for job, res in results.items():
+        t0 = res["timed_from"]
+        rows: dict = {}
+        base = res["rounds"][0].get("compile, no AC")
+        for name in res["rounds"][0]:
+            recs = [rd[name] for rd in res["rounds"]]
+            if any(r["failed"] for r in recs):
+                rows[name] = {"failed": True, "refused": any(r.get("refused") for r in recs),
+                              "error": next((r.get("error") for r in recs if r.get("error")), None)}
+                continue
+            t = [step_time(r, t0) for r in recs]
+            rows[name] = {"step_ms": statistics.median(t) * 1e3, "step_ms_spread": (min(t) * 1e3, max(t) * 1e3),
+                          "peak_mib": max(r["peak_bytes"] for r in recs) / MIB,
+                          "same_losses": base is not None and not base["failed"]
+                          and all(r["losses"] == base["losses"] for r in recs)}
+        pairs = []
+        for b in BUDGETS:
+            mb, ts = f"memory budget {b}", f"TapeSAC+compile @ memory budget {b} peak"
+            if ts not in rows or rows[mb].get("failed") or rows[ts].get("failed"):
+                pairs.append({"budget": b, "tapesac": None})
+                continue
+            ratios = [step_time(rd[ts], t0) / step_time(rd[mb], t0) for rd in res["rounds"]]
+            pairs.append({"budget": b, "tapesac": ts, "limit_mib": res["limits"][ts] / MIB,
+                          "vs_budget": statistics.median(ratios) - 1,
+                          "spread": (min(ratios) - 1, max(ratios) - 1)})
+        out[job] = {"rows": rows, "pairs": pairs}
     return out
 
 
@@ -420,6 +507,46 @@ PAPER = {
 }
 
 
+def budget_section(data: dict) -> list[str]:
+    summary = data["claim1b_summary"]
+    rounds = len(next(iter(data["claim1b"].values()))["rounds"])
+    lines = ["### 1b. Against torch.compile's memory budget (compiled runs)", "",
+             run_line(data, "1b"),
+             "The jobs torch.compile traces on CPU (Qwen3.5's kernels are numpy stand-ins here), every run with "
+             "`--compile.enable`: `activation-checkpoint:none`, `:full`, `:memory-budget` at budgets "
+             f"{', '.join(str(b) for b in BUDGETS)} (compile's partitioner saves by a knapsack over FLOPs and "
+             "bytes), and `:tapesac` in compiled mode (TapeSAC's plan run through torch.compile) at each budget's "
+             "measured peak, given as its limit. Every peak is read by the CPU allocator's events over the step "
+             "(`tapesac.meter.AllocatorPeak`), which see compiled code: parameters, gradients, optimizer state "
+             f"plus the highest running total. {rounds} round(s), each policy once per round in rotated order; "
+             "step time is the median over the timed steps, then over rounds; TapeSAC against the budget is "
+             "paired within a round. *Same losses*: equal to compile without AC's bit for bit.", ""]
+    for job, s in summary.items():
+        lines += [f"**{job}** (`{JOBS[job]}`)", "",
+                  "| policy | step (ms) | peak (MiB) | same losses |", "|---|---|---|---|"]
+        for name, r in s["rows"].items():
+            if r.get("failed"):
+                what = "refused: " + (r.get("error") or "") if r.get("refused") else "failed"
+                lines.append(f"| {name} | {what} | | |")
+                continue
+            lines.append(f"| {name} | {r['step_ms']:.0f} | {r['peak_mib']:.1f} | {'yes' if r['same_losses'] else 'no'} |")
+        lines += ["", "| budget | its peak (MiB) | TapeSAC+compile at that limit: peak (MiB) | time vs the budget |",
+                  "|---|---|---|---|"]
+        for pr in s["pairs"]:
+            mb = s["rows"].get(f"memory budget {pr['budget']}", {})
+            if pr["tapesac"] is None:
+                ts = s["rows"].get(f"TapeSAC+compile @ memory budget {pr['budget']} peak", {})
+                why = "refused (below its smallest peak)" if ts.get("refused") else "—"
+                lines.append(f"| {pr['budget']} | {mb.get('peak_mib', float('nan')):.1f} | {why} | — |")
+                continue
+            t = s["rows"][pr["tapesac"]]
+            spread = f" ({pct(pr['spread'][0])} to {pct(pr['spread'][1])})" if rounds > 1 else ""
+            lines.append(f"| {pr['budget']} | {mb['peak_mib']:.1f} | {t['peak_mib']:.1f} | {pct(pr['vs_budget'])}{spread} |")
+        lines.append("")
+    lines += [data.get("claim1b_verdict", ""), ""]
+    return lines
+
+
 def shape_section(data: dict) -> list[str]:
     c = data["claim5"]
     m, pl = c["memory_model"], c["planner"]
@@ -541,6 +668,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
                 lines += ["", f"Paper: replay alone {paper[0]}, planned at 90% {paper[1]} against full AC."]
             lines.append("")
         lines += [data.get("claim1_verdict", ""), ""]
+    if "claim1b" in data:
+        lines += budget_section(data)
     if "claim2" in data:
         sw = data["claim2"]
         lines += ["## 2. The MoE batch sweep", "",
@@ -655,9 +784,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
               "- **3. on the Qwen3.5 job's own gated-DeltaNet blocks** (above: blocks built to make the point). "
               "On CPU their kernels are stand-ins written through numpy (`torchtitan03_ext/fla_cpu.py`), which "
               "torch.compile cannot trace; on a GPU fla's Triton kernels are traced, and the comparison needs one.",
-              "- **1. against `:memory-budget`** (torch.compile's budget). The probe meters a step with a dispatch "
-              "mode, under which torchtitan's compiled blocks (`fullgraph=True`) fail to compile; claim 3 compares "
-              "compile's budget with a meter that sees compiled code, on its own blocks.",
+              "- **1b. on the Qwen3.5 jobs** (torch.compile cannot trace their CPU kernel stand-ins).",
               "- **5. with the probe under tensor parallelism** (torchtitan's 397B job runs TP 8; the probe "
               "models a rank without it).", ""]
     return "\n".join(lines)
@@ -666,7 +793,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one job, one round, short runs (a smoke run, < 10 min)")
-    ap.add_argument("--claims", default="1,2,3,4,5,6")
+    ap.add_argument("--claims", default="1,1b,2,3,4,5,6",
+                    help="1b: claim 1's jobs that torch.compile traces on CPU, against its memory budget")
     ap.add_argument("--merge", action="store_true",
                     help="keep OUT/paper.json's other claims; replace only the ones run now (each claim's section "
                          "then names its own command, commit and date)")
@@ -689,12 +817,12 @@ def main() -> None:
         args.rounds = len(next(iter(data["claim1"].values()))["rounds"]) if "claim1" in data else 0
         (out / "paper.md").write_text(page(data, args, out))
         return
-    try:
-        claims = {int(c) for c in args.claims.split(",") if c}
-    except ValueError:
+    claims = {c.strip() for c in args.claims.split(",") if c.strip()}
+    known = {"1", "1b", "2", "3", "4", "5", "6"}
+    if not claims or any(c and not c[0].isdigit() for c in claims) or ";" in args.claims:
         ap.error(f"--claims: {args.claims!r} is not a comma-separated list of claim numbers")
-    if not claims or claims - {1, 2, 3, 4, 5, 6}:
-        ap.error(f"--claims: this harness runs claims 1 to 6; got {args.claims!r}")
+    if claims - known:
+        ap.error(f"--claims: this harness runs claims 1, 1b and 2 to 6; got {args.claims!r}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     jobs = args.jobs.split(",") if args.jobs else (["llama3"] if args.quick else list(JOBS))
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2, 4] if args.quick else [2, 4, 6, 8])
@@ -730,21 +858,25 @@ def main() -> None:
                                          "wall_s": time.perf_counter() - t0}
             return result
 
-        if 3 in claims:
+        if "3" in claims:
             data["claim3"] = timed(3, lambda: claim3(args.quick, log))
             plot_bytes(data["claim3"], out / "paper_bytes_vs_cost.png")
-        if 1 in claims:
+        if "1" in claims:
             data["claim1"] = timed(1, lambda: claim1(jobs, args.rounds, steps, tmp, log))
             data["claim1_summary"] = summarise1(data["claim1"])
-        if 2 in claims:
+        if "1b" in claims:
+            compile_jobs = [j for j in jobs if j in COMPILE_JOBS]
+            data["claim1b"] = timed("1b", lambda: claim1b(compile_jobs, args.rounds, steps + 4, tmp, log))
+            data["claim1b_summary"] = summarise1b(data["claim1b"])
+        if "2" in claims:
             data["claim2"] = timed(2, lambda: claim2(batches, steps if not args.quick else 5, tmp, log))
             plot_sweep(data["claim2"], out / "paper_moe_batch_sweep.png")
-        if 5 in claims:
+        if "5" in claims:
             data["claim5"] = timed(5, lambda: claim5(args.quick, log))
             plot_shape(data["claim5"], out / "paper_397b_pattern.png")
-        if 6 in claims:
+        if "6" in claims:
             data["claim6"] = timed(6, lambda: claim6(args.quick, log))
-        if 4 in claims:
+        if "4" in claims:
             data["claim4"] = timed(4, lambda: claim4(args.e2e_job, e2e_steps, tmp, log))
             plot_losses(data["claim4"], out / "paper_end_to_end_losses.png")
     data["wall_s"] = time.perf_counter() - start
