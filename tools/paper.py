@@ -44,6 +44,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -507,6 +508,12 @@ PAPER = {
 }
 
 
+def _refusal(row: dict) -> str:
+    """A refused run in a table cell: the smallest peak TapeSAC said it can reach."""
+    m = re.search(r"the predicted step peak is ([0-9.]+ [KMG]iB)", row.get("error") or "")
+    return f"refused: its smallest peak is {m.group(1)}" if m else "refused"
+
+
 def budget_section(data: dict) -> list[str]:
     summary = data["claim1b_summary"]
     rounds = len(next(iter(data["claim1b"].values()))["rounds"])
@@ -526,8 +533,7 @@ def budget_section(data: dict) -> list[str]:
                   "| policy | step (ms) | peak (MiB) | same losses |", "|---|---|---|---|"]
         for name, r in s["rows"].items():
             if r.get("failed"):
-                what = "refused: " + (r.get("error") or "") if r.get("refused") else "failed"
-                lines.append(f"| {name} | {what} | | |")
+                lines.append(f"| {name} | {_refusal(r) if r.get('refused') else 'failed'} | | |")
                 continue
             lines.append(f"| {name} | {r['step_ms']:.0f} | {r['peak_mib']:.1f} | {'yes' if r['same_losses'] else 'no'} |")
         lines += ["", "| budget | its peak (MiB) | TapeSAC+compile at that limit: peak (MiB) | time vs the budget |",
@@ -536,7 +542,7 @@ def budget_section(data: dict) -> list[str]:
             mb = s["rows"].get(f"memory budget {pr['budget']}", {})
             if pr["tapesac"] is None:
                 ts = s["rows"].get(f"TapeSAC+compile @ memory budget {pr['budget']} peak", {})
-                why = "refused (below its smallest peak)" if ts.get("refused") else "—"
+                why = _refusal(ts) if ts.get("refused") else "—"
                 lines.append(f"| {pr['budget']} | {mb.get('peak_mib', float('nan')):.1f} | {why} | — |")
                 continue
             t = s["rows"][pr["tapesac"]]
