@@ -37,5 +37,6 @@ def test_error_ends_the_process_with_status_2(tmp_path):
     # atexit handlers (loggers, metric writers) ran
     assert out.stdout.splitlines() == ["caught 2 first", "atexit handler ran"], out.stdout
     errors = [line for line in out.stderr.splitlines() if line.startswith("[tapesac] error:")]
-    assert errors == ["[tapesac] error: TapeSAC: first", "[tapesac] error: TapeSAC: limit 1 MiB is infeasible"], out.stderr
+    assert errors == ["[tapesac] error: TapeSAC: first",
+                      "[tapesac] error: TapeSAC: limit 1 MiB is infeasible"], out.stderr
     assert "Traceback" not in out.stderr

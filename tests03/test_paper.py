@@ -106,7 +106,8 @@ def test_the_harnesses_refuse_what_they_cannot_run_before_running_anything(tmp_p
 def test_the_397b_experiment_scales_what_counts_tokens_and_costs_op_lists_as_torch_runs_them():
     """Claim 5's scaling: storages and ops with a dimension that is a multiple of the probe's
     tokens grow with the tokens (attention's score product with their square) and halve to
-    bf16; produced storages without one (weight casts) cost nothing; a save list keeps its ops' outputs, every other matmul, and reruns the rest."""
+    bf16; produced storages without one (weight casts) cost nothing; a save list keeps its
+    ops' outputs, every other matmul, and reruns the rest."""
     sys.path.insert(0, str(ROOT / "tools"))
     import paper_shape
     from tapesac.planner.graph import BlockGraph

@@ -535,7 +535,8 @@ def budget_section(data: dict) -> list[str]:
             if r.get("failed"):
                 lines.append(f"| {name} | {_refusal(r) if r.get('refused') else 'failed'} | | |")
                 continue
-            lines.append(f"| {name} | {r['step_ms']:.0f} | {r['peak_mib']:.1f} | {'yes' if r['same_losses'] else 'no'} |")
+            same = "yes" if r["same_losses"] else "no"
+            lines.append(f"| {name} | {r['step_ms']:.0f} | {r['peak_mib']:.1f} | {same} |")
         lines += ["", "| budget | its peak (MiB) | TapeSAC+compile at that limit: peak (MiB) | time vs the budget |",
                   "|---|---|---|---|"]
         for pr in s["pairs"]:
@@ -547,7 +548,8 @@ def budget_section(data: dict) -> list[str]:
                 continue
             t = s["rows"][pr["tapesac"]]
             spread = f" ({pct(pr['spread'][0])} to {pct(pr['spread'][1])})" if rounds > 1 else ""
-            lines.append(f"| {pr['budget']} | {mb['peak_mib']:.1f} | {t['peak_mib']:.1f} | {pct(pr['vs_budget'])}{spread} |")
+            lines.append(f"| {pr['budget']} | {mb['peak_mib']:.1f} | {t['peak_mib']:.1f} | "
+                         f"{pct(pr['vs_budget'])}{spread} |")
         lines.append("")
     lines += [data.get("claim1b_verdict", ""), ""]
     return lines
@@ -568,7 +570,8 @@ def shape_section(data: dict) -> list[str]:
              "activation bytes halve (bf16 on the GPU, fp32 in the probe). Times stay CPU times. "
              f"**Planned**: the 397B's {c['blocks']} blocks (gated DeltaNet, full attention every fourth) on one "
              f"rank of {c['gpus']} H200s, FSDP2 with EP {c['ep']} and no TP: sharded states "
-             f"{m['states_bytes'] / GIB:.1f} GiB, two layers' gathered bf16 weights {m['gathered_bytes'] / GIB:.1f} GiB, "
+             f"{m['states_bytes'] / GIB:.1f} GiB, two layers' gathered bf16 weights "
+             f"{m['gathered_bytes'] / GIB:.1f} GiB, "
              f"one layer's fp32 gradients in backward {m['gradient_bytes'] / GIB:.1f} GiB, block input "
              f"{m['block_input_bytes'] / GIB:.3f} GiB. Limit: 90% of an H200 ({c['limit_bytes'] / GIB:.1f} GiB).", "",
              "| block kind | ops | values | read by backward | forward ops, scaled (s) | produced bytes without a "
@@ -580,8 +583,9 @@ def shape_section(data: dict) -> list[str]:
     by_kind = list(kinds.values())  # "D" blocks are the first kind, "A" the second
     forward = sum(by_kind[1 if ch == "A" else 0]["op_s_scaled"] for ch in c["pattern"])
     step0 = 3 * forward  # forward, and a backward estimated at twice the forward
+    points = ", ".join(str(n) for n in c["block_frontier_points"].values())
     lines += ["", f"**Planner wall time at this shape** (this machine, one thread): block frontiers "
-              f"{pl['block_frontiers_s']:.2f} s ({', '.join(str(n) for n in c['block_frontier_points'].values())} points), "
+              f"{pl['block_frontiers_s']:.2f} s ({points} points), "
               f"one plan as planned mode makes it {pl['one_plan_s']:.2f} s ({pl['status']}), the step frontier "
               f"({len(c['frontier'])} points) {pl['step_frontier_s']:.2f} s. Step frontier: "
               f"{pl['smallest_peak_bytes'] / GIB:.1f} GiB (everything recomputed) to "

@@ -6,7 +6,8 @@ costs per op). The meter is the one TapeSAC's planner uses on CPU, tracking the 
 optimizers' states as the planner does; with ``$PAPER_METER=allocator``, the CPU allocator's
 events instead (``tapesac.meter.AllocatorPeak``: it sees compiled code, which a dispatch mode
 stops), over that step and the next, the second one's peak recorded. With TapeSAC, also its
-plan: limit, predicted peak and recompute, and the measured history. At exit it writes ``$PAPER_PROBE.rank<r>.json``.
+plan: limit, predicted peak and recompute, and the measured history. At exit it writes
+``$PAPER_PROBE.rank<r>.json``.
 
 With ``$PAPER_GRAPHS`` set, the first profiled step's block graphs (measured op times, storage
 bytes), each value's shape and element size, and the step's measured memory windows are written
@@ -91,6 +92,7 @@ def _patch(trainer_cls) -> None:
 
 
 def _capture_graphs(path: str) -> None:
+    """Write the first profiled step's block graphs, value shapes and memory windows to ``path``."""
     import dataclasses
 
     from tapesac.autoplan.plans import PlanMaker

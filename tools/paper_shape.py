@@ -372,7 +372,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="probe the debug model's widths (a smoke run)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--graphs", default=None, help="plan from this probe file (written by --save-graphs) instead of probing")
+    ap.add_argument("--graphs", default=None,
+                    help="plan from this probe file (written by --save-graphs) instead of probing")
     ap.add_argument("--save-graphs", default=None, help="write the probe's graphs, shapes and windows here")
     a = ap.parse_args()
     start = time.perf_counter()
