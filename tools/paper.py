@@ -763,6 +763,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
             lines.append(f"| {name} | {r['wall_s']:.0f} | {r['train_s']:.0f} | {vs} | {r['peak_mib']:.1f} | "
                          f"{'yes' if r['exact'] else 'no'} |")
         lines += ["", "![losses](paper_end_to_end_losses.png)", "", data.get("claim4_verdict", ""), ""]
+    if "claim5" in data:
+        lines += shape_section(data)
     if "claim6" in data:
         c = data["claim6"]
         lines += ["## 6. Ablations: the allocation MILP against greedy and a uniform budget", "",
@@ -788,8 +790,6 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
             lines.append(f"| {r['limit_fraction']:.2f} | {cell(r['default'])} | {cell(r['greedy'])} | "
                          f"{cell(r['uniform'])} | {cell(r['long MILP'])} |")
         lines += ["", data.get("claim6_verdict", ""), ""]
-    if "claim5" in data:
-        lines += shape_section(data)
     lines += ["## Not yet run by this harness", "",
               "- **3. on the Qwen3.5 job's own gated-DeltaNet blocks** (above: blocks built to make the point). "
               "On CPU their kernels are stand-ins written through numpy (`torchtitan03_ext/fla_cpu.py`), which "
