@@ -194,7 +194,10 @@ def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log) -> dict:
             for name in tnames[r % len(tnames):] + tnames[:r % len(tnames)]:
                 policy = ["--compile.enable", "activation-checkpoint:tapesac", "--activation-checkpoint.limit_gib",
                           repr(math.ceil(limits[name]) / GIB)]
-                got[name] = run(config, policy, steps, meter_step, tmp, f"{config}_c{r}_{len(got)}", meter="allocator")
+                got[name] = rec = run(config, policy, steps, meter_step, tmp, f"{config}_c{r}_{len(got)}",
+                                      meter="allocator")
+                if rec.get("refused"):  # its error line says why; the log adds nothing
+                    rec.pop("log_tail")
             for name, rec in got.items():
                 log(f"claim 1b: {job}, round {r + 1}/{rounds}, {name}: " + (
                     ("refused: " + rec["error"]) if rec.get("refused") else "failed" if rec["failed"] else
