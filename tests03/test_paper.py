@@ -96,7 +96,8 @@ def test_the_bytes_experiment_kernel_computes_its_function_and_its_gradient():
 def test_the_harnesses_refuse_what_they_cannot_run_before_running_anything(tmp_path):
     cases = [(["tools/paper_bytes.py", "--kinds", "equal,wide"], "unknown block kind(s) wide"),
              (["tools/paper.py", "--claims", "7", "--out", str(tmp_path)], "runs claims 1, 1b and 2 to 6"),
-             (["tools/paper.py", "--claims", "1;2", "--out", str(tmp_path)], "not a comma-separated list")]
+             (["tools/paper.py", "--claims", "1;2", "--out", str(tmp_path)], "not a comma-separated list"),
+             (["tools/paper_shape.py", "--graphs", str(tmp_path / "none.json")], "no probe file")]
     for args, message in cases:
         out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-2000:])

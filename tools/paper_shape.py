@@ -376,6 +376,8 @@ def main() -> None:
                     help="plan from this probe file (written by --save-graphs) instead of probing")
     ap.add_argument("--save-graphs", default=None, help="write the probe's graphs, shapes and windows here")
     a = ap.parse_args()
+    if a.graphs and not Path(a.graphs).is_file():
+        ap.error(f"--graphs: no probe file at {a.graphs} (write one with --save-graphs)")
     start = time.perf_counter()
 
     def log(msg: str) -> None:
