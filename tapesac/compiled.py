@@ -26,6 +26,12 @@ Invariants (cited as "compiled invariant N" where they are kept):
    c. Off the tape, ``clone.default`` of one tensor: ``dropout`` with ``p = 0`` or in eval mode
       returns its input eagerly (no op) and traces as ``input.clone()``
       (``torch._decomp.decompositions.dropout``). A copy changes no value; it is recomputed.
+   d. ``lift_fresh.default`` of a 1-d tensor (``torch.tensor(python_list)``) as the run
+      ``scalar_tensor.default`` per element, then ``stack.default`` of exactly those, nothing in
+      between, once dynamo has made the list's values symbolic (their number may differ from the
+      tape's: it is data, as the tape's signature treats it); of a 0-d tensor, as one
+      ``scalar_tensor``. The op that ends the run gets the tape op's decision; the scalars
+      before a ``stack`` are recomputed.
 
    ``split``, ``split_with_sizes``, ``chunk`` and ``tensor_split`` trace as the op eager code
    runs, so they need no other spelling. A pass that departs otherwise (a graph break, another
@@ -97,6 +103,9 @@ _SELECT = torch.ops.aten.select.int
 _UNBIND = torch.ops.aten.unbind.int
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _CLONE = torch.ops.aten.clone.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
+_STACK = torch.ops.aten.stack.default
 
 SHAPE_CHECK_OPS = frozenset({
     torch.ops.aten._assert_scalar.default,
@@ -111,7 +120,7 @@ outputs, they have nothing to save; the mapping skips them on both sides (compil
 class _Pass:
     """Where one pass of SAC over a block stands in the expected stream."""
 
-    __slots__ = ("seen", "step", "spelled", "read", "departure")
+    __slots__ = ("seen", "step", "spelled", "read", "lifted", "departure")
 
     def __init__(self) -> None:
         self.seen = 0
@@ -122,6 +131,9 @@ class _Pass:
         """Inside the select spelling of the tape op ``step``: how many of its selects ran."""
         self.read: list | None = None
         """Inside an off-tape ``tolist`` read: [the tensor read, elements read, scalar pending]."""
+        self.lifted = 0
+        """Inside the ``scalar_tensor`` spelling of the 1-d ``lift_fresh`` at ``step``: the
+        scalars it ran."""
         self.departure: str | None = None
 
 
@@ -147,6 +159,8 @@ class TapePolicy:
         """Position of an ``unbind`` -> (its dim, the decision for each output's ``select``)."""
         self.absent: set[int] = set()
         """Positions of ``unbind`` ops of external tensors, which a trace may not run at all."""
+        self.lifts: dict[int, int] = {}
+        """Position of a ``lift_fresh`` -> the dimensions of the tensor it made (0 or 1, 1d)."""
         for i, op in enumerate(tape.ops):
             if op.func in SAC_IGNORED_OPS or op.func in SHAPE_CHECK_OPS:
                 continue
@@ -162,6 +176,8 @@ class TapePolicy:
                     # Unpacking a block input or a parameter: the trace runs no op at all (the
                     # views are taken outside SAC's region). Such views cost nothing to hold.
                     self.absent.add(len(self.expected))
+            if op.func is _LIFT_FRESH and op.outs[0] is not None and len(tape.values[op.outs[0]].shape) <= 1:
+                self.lifts[len(self.expected)] = len(tape.values[op.outs[0]].shape)
             self.expected.append(op.func)
             self.save.append(op.keep_only is not None or (i in kept_ops and not any(overwritten)))
         self.passes = 0
@@ -207,6 +223,8 @@ class TapePolicy:
         when ``func`` is no accepted spelling there (compiled invariant 1)."""
         if run.read is not None:  # inside a tolist read: its scalar, or the next element's select
             return self._read_on(run, func, args)
+        if run.lifted:  # inside a lift spelled as scalars (1d): the next scalar, or the stack
+            return self._lift_on(run, func, args, kwargs)
         if run.spelled:  # inside an unbind spelled as selects: the next select
             dim, saves = self.spellings[run.step]
             if func is not _SELECT or tuple(args[1:3]) != (dim, run.spelled):
@@ -222,6 +240,12 @@ class TapePolicy:
         if k < len(self.expected) and func == self.expected[k]:
             run.step += 1
             return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
+        if func is _SCALAR_TENSOR and k in self.lifts:
+            if self.lifts[k] == 0:  # a 0-d lift: this one scalar is the tensor
+                run.step = k + 1
+                return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
+            run.lifted = 1
+            return PREFER_RECOMPUTE
         if self._starts_spelling(k, func, args):
             run.spelled = 1
             saves = self.spellings[k][1]
@@ -237,6 +261,18 @@ class TapePolicy:
 
     def _starts_spelling(self, k: int, func: Any, args: tuple) -> bool:
         return k in self.spellings and func is _SELECT and tuple(args[1:3]) == (self.spellings[k][0], 0)
+
+    def _lift_on(self, run: _Pass, func: Any, args: tuple, kwargs: dict) -> CheckpointPolicy | None:
+        """Dynamo traces ``torch.tensor(values)`` of symbolic values as one ``scalar_tensor`` per
+        value, then ``stack`` of them (compiled invariant 1d)."""
+        if func is _SCALAR_TENSOR:
+            run.lifted += 1
+            return PREFER_RECOMPUTE
+        if func is not _STACK or len(args[0]) != run.lifted or kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+            return None
+        k = run.step
+        run.lifted, run.step = 0, k + 1
+        return MUST_SAVE if self.save[k] else PREFER_RECOMPUTE
 
     def _read_on(self, run: _Pass, func: Any, args: tuple) -> CheckpointPolicy | None:
         """Dynamo traces ``t.tolist()`` of a 1-d tensor, which dispatches nothing eagerly (so the
@@ -264,7 +300,7 @@ class TapePolicy:
             departure = run.departure
             if departure is None and run.read is not None:
                 departure = f"the trace stopped inside a tolist of {run.read[0].shape[0]} elements"
-            elif departure is None and (self._end(run.step) != len(self.expected) or run.spelled):
+            elif departure is None and (self._end(run.step) != len(self.expected) or run.spelled or run.lifted):
                 departure = f"the trace ran the tape's first {run.step} of {len(self.expected)} ops"
             if departure is not None:
                 return departure

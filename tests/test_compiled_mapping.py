@@ -219,3 +219,81 @@ def test_torchtitan_compiled_mode_lets_dynamo_capture_scalar_outputs():
     with torch._dynamo.config.patch(capture_scalar_outputs=False):
         TapeSACConverter(cfg, ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1))
         assert torch._dynamo.config.capture_scalar_outputs
+
+
+class LiftsAList(torch.nn.Module):
+    """``torch.tensor(values)`` of Python ints the block is given, as Qwen3.5's DeltaNet builds
+    its CPU document offsets: one ``lift_fresh`` eagerly; traced with symbolic values, one
+    ``scalar_tensor`` per value and a ``stack``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, values):
+        weights = torch.tensor(values, dtype=x.dtype)
+        return torch.tanh(self.lin(x)) * weights.sum()
+
+
+def test_a_tensor_of_symbolic_values_maps_as_dynamo_spells_it(monkeypatch):
+    """The first compile reads the values as constants (``lift_fresh``, as eagerly); other values
+    recompile with symbolic ones (``scalar_tensor`` per value, then ``stack``). Both map."""
+    lifts = []
+    spell = TapePolicy._lift_on
+    monkeypatch.setattr(TapePolicy, "_lift_on", lambda self, run, func, *a: lifts.append(func) or spell(
+        self, run, func, *a))
+    torch.manual_seed(0)
+    block, x = LiftsAList(), torch.randn(4, 8, requires_grad=True)
+    handle = tapesac.wrap([block])
+    block(x, [1, 2, 3]).sum().backward()
+    tape = handle.tapes()[0]
+    handle.remove()
+    assert _positions(tape, torch.ops.aten.lift_fresh.default)
+    keep = _positions(tape, torch.ops.aten.addmm.default) + _positions(tape, torch.ops.aten.tanh.default)
+    values = ([1, 2, 3], [2, 5, 7], [3, 1, 4])
+    expected = [torch.autograd.grad(block(x, v).sum(), x)[0] for v in values]
+    handle = tapesac.wrap([block], policy=Policy({0: BlockPolicy(tape.signature(), keep)}), compile=True)
+    try:
+        block(x, values[0]).sum().backward()  # eager: records the plan's program
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MappingWarning)
+            for v, want in zip(values, expected):
+                out = block(x, v)
+                assert handle.stats()[0]["compiled"]
+                torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], want, rtol=1e-5, atol=1e-6)
+        assert not handle.blocks[0].compiled.broken
+    finally:
+        handle.remove()
+    assert torch.ops.aten.stack.default in lifts, "no trace spelled the values as scalars: nothing shown"
+
+
+@pytest.mark.parametrize("trace, departs", [
+    ([("scalar_tensor", 3), ("stack", 3)], False),
+    ([("scalar_tensor", 3), ("stack", 2)], True),  # a stack of other tensors
+    ([("scalar_tensor", 2), ("mul", 0)], True),  # another op before the stack
+])
+def test_the_scalar_spelling_of_a_lift_ends_at_a_stack_of_exactly_its_scalars(trace, departs):
+    torch.manual_seed(0)
+    block, x = LiftsAList(), torch.randn(4, 8, requires_grad=True)
+    handle = tapesac.wrap([block])
+    block(x, [1, 2, 3]).sum().backward()
+    tape = handle.tapes()[0]
+    handle.remove()
+    policy = TapePolicy(0, tape, set())
+    policy.context_fn()  # one pass
+    run = policy._runs[-1]
+    k = policy.expected.index(torch.ops.aten.lift_fresh.default)
+    run.step = k
+    scalars = []
+    for name, n in trace:
+        if name == "scalar_tensor":
+            for i in range(n):
+                scalars.append(torch.scalar_tensor(float(i)))
+                policy._decide(run, torch.ops.aten.scalar_tensor.default, (float(i),), {})
+        elif name == "stack":
+            policy._decide(run, torch.ops.aten.stack.default, (scalars[:n],), {})
+        else:
+            policy._decide(run, torch.ops.aten.mul.Tensor, (x, x), {})
+    assert (run.departure is not None) == departs, run.departure
+    if not departs:
+        assert run.step == k + 1 and not run.lifted
