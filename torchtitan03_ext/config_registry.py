@@ -98,6 +98,25 @@ def qwen35_moe_debug_cpu() -> Trainer.Config:
                       cpu_capacity_gib=0.146)
 
 
+def qwen35_debug_cpu_custom_ops() -> Trainer.Config:
+    """:func:`qwen35_debug_cpu` with its kernels' stand-ins as ``torch.library`` custom ops, so that
+    ``--compile.enable`` traces its blocks whole: fla-core 0.6.0's own gated delta rule is
+    compile-disabled, and torchtitan compiles blocks with ``fullgraph=True``
+    (``torchtitan03_ext.fla_cpu``). Same functions and numbers as :func:`qwen35_debug_cpu`."""
+    from . import fla_cpu
+
+    fla_cpu.use_custom_ops()
+    return qwen35_debug_cpu()
+
+
+def qwen35_moe_debug_cpu_custom_ops() -> Trainer.Config:
+    """:func:`qwen35_moe_debug_cpu` as :func:`qwen35_debug_cpu_custom_ops`."""
+    from . import fla_cpu
+
+    fla_cpu.use_custom_ops()
+    return qwen35_moe_debug_cpu()
+
+
 def qwen3_moe_debug_cpu() -> Trainer.Config:
     """torchtitan's qwen3 MoE debug model on CPU ranks, as :func:`llama3_debug_cpu` with the
     offline tokenizer's vocabulary; add ``--parallelism.expert_parallel_degree 2`` for expert

@@ -20,10 +20,20 @@ fla's Triton numerics, so a CPU job is compared with the same CPU job, never wit
 
 Temporaries of the hidden computations are invisible to TapeSAC's CPU storage counter (on a GPU,
 a Triton kernel keeps them in registers and shared memory); the outputs are counted.
+
+torch.compile cannot trace these stand-ins, and it cannot trace fla's own call either: fla-core
+0.6.0 marks ``chunk_gated_delta_rule`` with ``torch.compiler.disable``, and torchtitan 0.3 compiles
+each block with ``fullgraph=True``, so dynamo refuses Qwen3.5's DeltaNet blocks before any kernel
+runs, on any device. Users who compile Qwen3.5 wrap fla's kernels as ``torch.library`` custom ops,
+which dynamo keeps whole and the partitioner prices by its FLOP formulas (none: one FLOP).
+:func:`use_custom_ops` runs the stand-ins that way (``tapesac_fla::*``, each with a backward op),
+for the configs that compile Qwen3.5 (``qwen35_debug_cpu_custom_ops``). Then the kernels are ops
+the dispatcher sees, like any custom op; the same functions, computed by the same reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -50,9 +60,21 @@ def install() -> None:
         qwen35._fla_chunk_gated_delta_rule = _on_cpu(qwen35._fla_chunk_gated_delta_rule, chunk_gated_delta_rule)
 
 
+_CUSTOM_OPS = False
+
+
+def use_custom_ops(enabled: bool = True) -> None:
+    """From now on, CPU calls of the kernels run as the ``tapesac_fla`` custom ops (what
+    torch.compile traces) instead of the opaque stand-ins."""
+    global _CUSTOM_OPS
+    _CUSTOM_OPS = enabled
+
+
 def _on_cpu(original, stand_in):
     def dispatch(x, *args, **kwargs):
-        return (stand_in if x.device.type == "cpu" else original)(x, *args, **kwargs)
+        if x.device.type != "cpu":
+            return original(x, *args, **kwargs)
+        return (_AS_CUSTOM_OP[stand_in.__name__] if _CUSTOM_OPS else stand_in)(x, *args, **kwargs)
 
     dispatch.__tapesac__ = True  # type: ignore[attr-defined]
     dispatch.__wrapped__ = original  # type: ignore[attr-defined]
@@ -242,3 +264,169 @@ class CausalConv1d(torch.autograd.Function):
                 return torch.autograd.grad(y, inputs, dy)
 
         return (*_opaque_grads(grads, (x, weight)), None, None)
+
+
+# The same kernels as custom ops (use_custom_ops) ---------------------------------------------------
+
+
+def _offsets(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> Tensor | None:
+    return cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+
+
+def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+                              initial_state: Tensor | None = None, output_final_state: bool = False,
+                              use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
+                              cu_seqlens_cpu: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+    """:func:`chunk_gated_delta_rule` as the custom op ``tapesac_fla::chunk_gated_delta_rule``."""
+    if initial_state is not None or output_final_state or kwargs or not use_qk_l2norm_in_kernel:
+        raise NotImplementedError(
+            "TapeSAC's CPU gated delta rule as a custom op covers what Qwen3.5 trains with (q and k "
+            f"normalized in the kernel; no initial or final state, no {sorted(kwargs)}): run this model on a GPU")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"varlen inputs must be flattened to batch size 1, got batch size {q.shape[0]}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, *_saved = torch.ops.tapesac_fla.chunk_gated_delta_rule(q, k, v, g, beta, scale,
+                                                              _offsets(cu_seqlens, cu_seqlens_cpu))
+    return o, None
+
+
+def causal_conv1d_op(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
+                     residual: Tensor | None = None, initial_state: Tensor | None = None,
+                     output_final_state: bool | None = False, activation: str | None = None,
+                     backend: str | None = "triton", cu_seqlens: Tensor | None = None,
+                     cu_seqlens_cpu: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+    """:func:`causal_conv1d` as the custom op ``tapesac_fla::causal_conv1d``."""
+    if weight is None or bias is not None or residual is not None or initial_state is not None \
+            or output_final_state or activation not in (None, "silu", "swish") or kwargs.get("cp_context"):
+        raise NotImplementedError(
+            "TapeSAC's CPU causal conv covers what Qwen3.5 trains with (a weight, silu or no "
+            "activation; no bias, residual, state or context parallelism): run this model on a GPU")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(f"varlen inputs must be flattened to batch size 1, got batch size {x.shape[0]}")
+    return torch.ops.tapesac_fla.causal_conv1d(x, weight, activation is not None,
+                                               _offsets(cu_seqlens, cu_seqlens_cpu)), None
+
+
+_AS_CUSTOM_OP = {chunk_gated_delta_rule.__name__: chunk_gated_delta_rule_op, causal_conv1d.__name__: causal_conv1d_op}
+
+
+def _docs_of(x: Tensor, offsets: Tensor | None):
+    return _documents(x, offsets, None)
+
+
+_PLAIN_KEYS = (torch._C._dispatch_tls_local_include_set(),
+               torch._C._dispatch_tls_local_exclude_set()
+               | torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+               | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+"""The dispatcher's thread-local keys of plain eager code (read at import), with the Python keys
+excluded: no dispatch mode or tensor subclass sees what runs under them."""
+
+
+@contextlib.contextmanager
+def _as_a_kernel():
+    """Run a custom op's body as a kernel runs: unseen by dispatch modes, and as plain eager
+    code otherwise. Inside an op's kernel the dispatcher has excluded every key above the
+    backend's (autograd among them; inside a mode's handler, also functionalization and
+    functorch's); the backward ops differentiate the reference with autograd on leaves of
+    their own, as the opaque stand-ins' backward passes do. The keys are restored after."""
+    with torch._C._ForceDispatchKeyGuard(*_PLAIN_KEYS), torch.enable_grad():
+        yield
+
+
+@torch.library.custom_op("tapesac_fla::chunk_gated_delta_rule", mutates_args=())
+def _delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   offsets: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, q normalized, q's reciprocal norms, k normalized, k's): the last four are what the
+    backward reads, as fla's ``ChunkGatedDeltaRuleFunction`` saves them. A dispatch mode sees
+    the op, not its insides."""
+    with _as_a_kernel(), torch.no_grad():
+        (q_n, q_rstd), (k_n, k_rstd) = _l2norm(q), _l2norm(k)
+        o = _delta_rule(q_n, k_n, v, g, beta, scale, _docs_of(q, offsets))
+        return tuple(t.contiguous().clone() if t is q or t is k else t.contiguous()
+                     for t in (o, q_n, q_rstd, k_n, k_rstd))
+
+
+@_delta_rule_op.register_fake
+def _(q, k, v, g, beta, scale, offsets):
+    return (torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32),
+            torch.empty_like(k, memory_format=torch.contiguous_format), k.new_empty(k.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("tapesac_fla::chunk_gated_delta_rule_backward", mutates_args=())
+def _delta_rule_backward_op(do: Tensor, q_n: Tensor, q_rstd: Tensor, k_n: Tensor, k_rstd: Tensor, v: Tensor, g: Tensor,
+                            beta: Tensor, scale: float, offsets: Tensor | None
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) of :func:`_delta_rule_op`'s ``o``, through the l2 norms."""
+    docs = _docs_of(q_n, offsets)
+    inputs = (q_n, k_n, v, g, beta)
+
+    with _as_a_kernel():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dq, dk, dv, dg, dbeta = torch.autograd.grad(_delta_rule(*leaves, scale, docs), leaves, do)
+        with torch.no_grad():
+            dq, dk = _l2norm_backward(q_n, q_rstd, dq), _l2norm_backward(k_n, k_rstd, dk)
+            return tuple(d.to(t.dtype).contiguous() for d, t in zip((dq, dk, dv, dg, dbeta), inputs))
+
+
+@_delta_rule_backward_op.register_fake
+def _(do, q_n, q_rstd, k_n, k_rstd, v, g, beta, scale, offsets):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q_n, k_n, v, g, beta))
+
+
+def _delta_rule_setup(ctx, inputs, output):
+    _q, _k, v, g, beta, scale, offsets = inputs
+    _o, q_n, q_rstd, k_n, k_rstd = output
+    ctx.save_for_backward(q_n, q_rstd, k_n, k_rstd, v, g, beta, offsets)
+    ctx.scale = scale
+
+
+def _delta_rule_backward(ctx, do, *_saved_grads):
+    q_n, q_rstd, k_n, k_rstd, v, g, beta, offsets = ctx.saved_tensors
+    grads = torch.ops.tapesac_fla.chunk_gated_delta_rule_backward(do, q_n, q_rstd, k_n, k_rstd, v, g, beta,
+                                                                  ctx.scale, offsets)
+    return (*grads, None, None)
+
+
+_delta_rule_op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup)
+
+
+@torch.library.custom_op("tapesac_fla::causal_conv1d", mutates_args=())
+def _conv_op(x: Tensor, weight: Tensor, silu: bool, offsets: Tensor | None) -> Tensor:
+    with _as_a_kernel(), torch.no_grad():
+        return _conv(x, weight, silu, _docs_of(x, offsets)).contiguous()
+
+
+@_conv_op.register_fake
+def _(x, weight, silu, offsets):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tapesac_fla::causal_conv1d_backward", mutates_args=())
+def _conv_backward_op(dy: Tensor, x: Tensor, weight: Tensor, silu: bool, offsets: Tensor | None
+                      ) -> tuple[Tensor, Tensor]:
+    docs = _docs_of(x, offsets)
+
+    with _as_a_kernel():
+        leaves = [x.detach().requires_grad_(), weight.detach().requires_grad_()]
+        return tuple(d.contiguous() for d in torch.autograd.grad(_conv(*leaves, silu, docs), leaves, dy))
+
+
+@_conv_backward_op.register_fake
+def _(dy, x, weight, silu, offsets):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
+def _conv_setup(ctx, inputs, output):
+    x, weight, silu, offsets = inputs
+    ctx.save_for_backward(x, weight, offsets)
+    ctx.silu = silu
+
+
+def _conv_backward(ctx, dy):
+    x, weight, offsets = ctx.saved_tensors
+    return (*torch.ops.tapesac_fla.causal_conv1d_backward(dy, x, weight, ctx.silu, offsets), None, None)
+
+
+_conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
