@@ -2,7 +2,8 @@
 ``tools/paper.py``, recording on this rank, per training step, its exact loss and the wall
 seconds of ``train_step`` (forward, backward and optimizer step), and the peak of live tensor
 storages of one step (``$PAPER_METER_STEP``, 0-based; that step is metered, not timed: the meter
-costs per op). The meter is the one TapeSAC's planner uses on CPU, tracking the model and its
+costs per op), and per step how many times Qwen3.5's CPU kernels ran (recomputations included).
+The meter is the one TapeSAC's planner uses on CPU, tracking the model and its
 optimizers' states as the planner does; with ``$PAPER_METER=allocator``, the CPU allocator's
 events instead (``tapesac.meter.AllocatorPeak``: it sees compiled code, which a dispatch mode
 stops), over that step and the next, the second one's peak recorded. With TapeSAC, also its
@@ -23,12 +24,13 @@ import torchtitan.train
 import torchtitan.trainer
 
 import torchtitan03_ext  # noqa: F401  (registers the CPU shim and the tapesac choice)
+from torchtitan03_ext.fla_cpu import KERNEL_RUNS
 from tapesac.autoplan.step import _tensors_of
 from tapesac.meter import AllocatorPeak, CpuMeter
 
 _METER_STEP = int(os.environ.get("PAPER_METER_STEP", "-1"))
 _METER = os.environ.get("PAPER_METER", "storages")
-_record: dict = {"losses": [], "step_s": [], "peak_bytes": None}
+_record: dict = {"losses": [], "step_s": [], "peak_bytes": None, "kernel_runs": []}
 _trainer: list = []
 
 
@@ -57,6 +59,13 @@ def _patch(trainer_cls) -> None:
         return loss
 
     def timed_train_step(self, *args, **kwargs):
+        before = KERNEL_RUNS.copy()
+        try:
+            return metered_or_timed(self, *args, **kwargs)
+        finally:
+            _record["kernel_runs"].append(dict(KERNEL_RUNS - before))
+
+    def metered_or_timed(self, *args, **kwargs):
         step = len(_record["step_s"])
         # The meters hold what they track only until they start: a reference kept here would keep
         # the last step's gradients alive through this step's backward (the step frees them in

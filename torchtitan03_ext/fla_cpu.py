@@ -33,6 +33,7 @@ the dispatcher sees, like any custom op; the same functions, computed by the sam
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 
@@ -61,6 +62,10 @@ def install() -> None:
 
 
 _CUSTOM_OPS = False
+
+KERNEL_RUNS: collections.Counter = collections.Counter()
+"""Forward runs of each kernel (``"chunk_gated_delta_rule"``, ``"causal_conv1d"``) in this process,
+stand-in or custom op, recomputations included: how often a policy recomputes a kernel."""
 
 
 def use_custom_ops(enabled: bool = True) -> None:
@@ -211,6 +216,7 @@ class GatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale: float, l2norm: bool, docs):
+        KERNEL_RUNS["chunk_gated_delta_rule"] += 1
         if l2norm:
             q_n, k_n = torch.empty_like(q), torch.empty_like(k)
             q_rstd = q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -247,6 +253,7 @@ class CausalConv1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, silu: bool, docs):
+        KERNEL_RUNS["causal_conv1d"] += 1
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         _fill(y, _unseen(_conv, x, weight, silu, docs))
         ctx.save_for_backward(x, weight)
@@ -339,6 +346,7 @@ def _delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
     """(o, q normalized, q's reciprocal norms, k normalized, k's): the last four are what the
     backward reads, as fla's ``ChunkGatedDeltaRuleFunction`` saves them. A dispatch mode sees
     the op, not its insides."""
+    KERNEL_RUNS["chunk_gated_delta_rule"] += 1
     with _as_a_kernel(), torch.no_grad():
         (q_n, q_rstd), (k_n, k_rstd) = _l2norm(q), _l2norm(k)
         o = _delta_rule(q_n, k_n, v, g, beta, scale, _docs_of(q, offsets))
@@ -393,6 +401,7 @@ _delta_rule_op.register_autograd(_delta_rule_backward, setup_context=_delta_rule
 
 @torch.library.custom_op("tapesac_fla::causal_conv1d", mutates_args=())
 def _conv_op(x: Tensor, weight: Tensor, silu: bool, offsets: Tensor | None) -> Tensor:
+    KERNEL_RUNS["causal_conv1d"] += 1
     with _as_a_kernel(), torch.no_grad():
         return _conv(x, weight, silu, _docs_of(x, offsets)).contiguous()
 
