@@ -452,3 +452,38 @@ def test_compiled_plans_cost_fused_ops_at_a_fraction_and_carry_no_replay_overhea
     assert (g.op_overhead_s, g.record_overhead_s) == (0.0, 0.0)
     closure = g.closure(())
     assert g.recompute_time(()) == pytest.approx(sum(g.op_time_s[o] for o in closure))
+
+
+@torch.library.custom_op("tapesac_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_doubled.register_fake(lambda x: torch.empty_like(x))
+_doubled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class CustomOpBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.tanh(_doubled(self.lin(x)))
+
+
+def test_compiled_plans_cost_ops_outside_aten_at_their_eager_time():
+    """A custom op (or a Triton launch) is a kernel of its own under compile: inductor calls it,
+    never fuses it, so its recompute costs what it costs eagerly. (Priced as fused, an expensive
+    kernel with a small output would look cheap to recompute: the mistake compile's FLOP-priced
+    budget makes with kernels it has no formula for.)"""
+    from tapesac.planner.compiled_cost import FUSED_COST, compiled_costs
+    from tapesac.profile import block_graph
+
+    torch.manual_seed(0)
+    tape = recorded_tape(CustomOpBlock(), torch.randn(2, 16, 32, requires_grad=True))
+    g = block_graph(tape, [1e-3] * len(tape.ops))
+    compiled_costs(g)
+    times = dict(zip(g.op_names, g.op_time_s))
+    assert times["tapesac_test.doubled.default"] == 1e-3
+    assert times["aten.addmm.default"] == 1e-3 and times["aten.tanh.default"] == 1e-3 * FUSED_COST

@@ -17,8 +17,10 @@ EXTERN_OPS = frozenset({
     "_flash_attention_forward", "_efficient_attention_forward", "_flex_attention",
 })
 """ATen ops inductor runs as kernels of their own (library matmuls and attention), whose recompute
-costs under compile what it costs eagerly; every other op (pointwise, reductions, views, norms)
-is fused into the kernels around it (see :func:`compiled_costs`)."""
+costs under compile what it costs eagerly; every other ATen op (pointwise, reductions, views,
+norms) is fused into the kernels around it (see :func:`compiled_costs`). Ops outside ATen (custom
+ops, Triton launches) are kernels of their own too: inductor has no lowering for them and calls
+them as they are."""
 
 
 FUSED_COST = 0.1
@@ -32,11 +34,11 @@ budget and plans keeping only extern outputs 2.1% slower (15 rounds, 2026-11-30)
 
 def compiled_costs(graph: BlockGraph) -> None:
     """Make a block graph's costs those of compiled recompute (in place): extern ops
-    (``EXTERN_OPS``) keep their eager times, fused ops cost ``FUSED_COST`` of theirs, and
-    TapeSAC's own per-op replay and per-block recording overheads go (a compiled block neither
-    records nor replays)."""
+    (``EXTERN_OPS``, and every op outside ATen) keep their eager times, fused ops cost
+    ``FUSED_COST`` of theirs, and TapeSAC's own per-op replay and per-block recording overheads
+    go (a compiled block neither records nor replays)."""
     for o, name in enumerate(graph.op_names):
-        if name.split(".")[1 if name.startswith("aten.") else 0] not in EXTERN_OPS:
+        if name.startswith("aten.") and name.split(".")[1] not in EXTERN_OPS:
             graph.op_time_s[o] *= FUSED_COST
     graph.op_overhead_s = 0.0
     graph.record_overhead_s = 0.0
