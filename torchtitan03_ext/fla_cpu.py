@@ -156,11 +156,49 @@ def _from_batch(y: Tensor, docs, total: int) -> Tensor:
 # The functions, in plain torch --------------------------------------------------------------------
 
 
-def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, docs) -> Tensor:
+def _slices(q: Tensor, docs):
+    """(row, start, end, head) of every sequence and head the delta rule runs on alone: per
+    document of a flattened batch (or per row without documents), per head."""
+    spans = [(0, s, e) for s, e in docs] if docs is not None else [(b, 0, q.shape[1]) for b in range(q.shape[0])]
+    return [(b, s, e, h) for b, s, e in spans for h in range(q.shape[2])]
+
+
+def _delta_rule_slice(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, where) -> Tensor:
     from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
 
-    o, _ = naive_chunk_gated_delta_rule(*(_to_batch(t, docs) for t in (q, k, v, g, beta)), scale=scale)
-    return _from_batch(o, docs, q.shape[1]).to(v.dtype)
+    b, s, e, h = where
+    pieces = (t[b:b + 1, s:e, h:h + 1] for t in (q, k, v, g, beta))
+    return naive_chunk_gated_delta_rule(*pieces, scale=scale)[0].to(v.dtype)
+
+
+def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, docs) -> Tensor:
+    """The delta rule (no grad), one document and head at a time, as a kernel's working memory is
+    one tile's: the reference's temporaries for a whole batch would be a CPU artefact that an
+    allocator-level meter sees (tens of MiB on the debug model)."""
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    with torch.no_grad():
+        for where in _slices(q, docs):
+            b, s, e, h = where
+            o[b:b + 1, s:e, h:h + 1] = _delta_rule_slice(q, k, v, g, beta, scale, where)
+    return o
+
+
+def _delta_rule_grads(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                      docs) -> list[Tensor]:
+    """Gradients of :func:`_delta_rule` for ``do`` (dq, dk, dv, dg, dbeta of the normalized q and
+    k), each document and head differentiated alone and freed before the next."""
+    inputs = (q, k, v, g, beta)
+    grads = [torch.zeros_like(t) for t in inputs]
+    for where in _slices(q, docs):
+        b, s, e, h = where
+        leaves = [t[b:b + 1, s:e, h:h + 1].detach().requires_grad_() for t in inputs]
+        with torch.enable_grad():
+            out = _delta_rule_slice(*leaves, scale, (0, 0, e - s, 0))
+            parts = torch.autograd.grad(out, leaves, do[b:b + 1, s:e, h:h + 1])
+        with torch.no_grad():
+            for grad, part in zip(grads, parts):
+                grad[b:b + 1, s:e, h:h + 1] = part
+    return grads
 
 
 def _conv(x: Tensor, weight: Tensor, silu: bool, docs) -> Tensor:
@@ -237,10 +275,7 @@ class GatedDeltaRule(torch.autograd.Function):
         q_n, q_rstd, k_n, k_rstd, v, g, beta = ctx.saved_tensors
 
         def grads():
-            inputs = [t.detach().requires_grad_() for t in (q_n, k_n, v, g, beta)]
-            with torch.enable_grad():
-                o = _delta_rule(*inputs, ctx.scale, ctx.docs)
-                dq, dk, dv, dg, dbeta = torch.autograd.grad(o, inputs, do)
+            dq, dk, dv, dg, dbeta = _delta_rule_grads(do, q_n, k_n, v, g, beta, ctx.scale, ctx.docs)
             if q_rstd is not None:
                 dq, dk = _l2norm_backward(q_n, q_rstd, dq), _l2norm_backward(k_n, k_rstd, dk)
             return dq, dk, dv, dg, dbeta
@@ -370,8 +405,7 @@ def _delta_rule_backward_op(do: Tensor, q_n: Tensor, q_rstd: Tensor, k_n: Tensor
     inputs = (q_n, k_n, v, g, beta)
 
     with _as_a_kernel():
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        dq, dk, dv, dg, dbeta = torch.autograd.grad(_delta_rule(*leaves, scale, docs), leaves, do)
+        dq, dk, dv, dg, dbeta = _delta_rule_grads(do, *inputs, scale, docs)
         with torch.no_grad():
             dq, dk = _l2norm_backward(q_n, q_rstd, dq), _l2norm_backward(k_n, k_rstd, dk)
             return tuple(d.to(t.dtype).contiguous() for d, t in zip((dq, dk, dv, dg, dbeta), inputs))
