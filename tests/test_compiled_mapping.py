@@ -235,6 +235,16 @@ class LiftsAList(torch.nn.Module):
         return torch.tanh(self.lin(x)) * weights.sum()
 
 
+def _lifting_block_and_tape():
+    torch.manual_seed(0)
+    block, x = LiftsAList(), torch.randn(4, 8, requires_grad=True)
+    handle = tapesac.wrap([block])
+    block(x, [1, 2, 3]).sum().backward()
+    tape = handle.tapes()[0]
+    handle.remove()
+    return block, x, tape
+
+
 def test_a_tensor_of_symbolic_values_maps_as_dynamo_spells_it(monkeypatch):
     """The first compile reads the values as constants (``lift_fresh``, as eagerly); other values
     recompile with symbolic ones (``scalar_tensor`` per value, then ``stack``). Both map."""
@@ -242,12 +252,7 @@ def test_a_tensor_of_symbolic_values_maps_as_dynamo_spells_it(monkeypatch):
     spell = TapePolicy._lift_on
     monkeypatch.setattr(TapePolicy, "_lift_on", lambda self, run, func, *a: lifts.append(func) or spell(
         self, run, func, *a))
-    torch.manual_seed(0)
-    block, x = LiftsAList(), torch.randn(4, 8, requires_grad=True)
-    handle = tapesac.wrap([block])
-    block(x, [1, 2, 3]).sum().backward()
-    tape = handle.tapes()[0]
-    handle.remove()
+    block, x, tape = _lifting_block_and_tape()
     assert _positions(tape, torch.ops.aten.lift_fresh.default)
     keep = _positions(tape, torch.ops.aten.addmm.default) + _positions(tape, torch.ops.aten.tanh.default)
     values = ([1, 2, 3], [2, 5, 7], [3, 1, 4])
@@ -273,12 +278,7 @@ def test_a_tensor_of_symbolic_values_maps_as_dynamo_spells_it(monkeypatch):
     ([("scalar_tensor", 2), ("mul", 0)], True),  # another op before the stack
 ])
 def test_the_scalar_spelling_of_a_lift_ends_at_a_stack_of_exactly_its_scalars(trace, departs):
-    torch.manual_seed(0)
-    block, x = LiftsAList(), torch.randn(4, 8, requires_grad=True)
-    handle = tapesac.wrap([block])
-    block(x, [1, 2, 3]).sum().backward()
-    tape = handle.tapes()[0]
-    handle.remove()
+    block, x, tape = _lifting_block_and_tape()
     policy = TapePolicy(0, tape, set())
     policy.context_fn()  # one pass
     run = policy._runs[-1]
