@@ -26,6 +26,9 @@ class PolicyError(TapeSACError):
 class PlanError(TapeSACError):
     """The planner cannot satisfy the request (infeasible memory limit, bad graph)."""
 
+    floor_bytes: float | None = None
+    """For an infeasible limit: the smallest predicted step peak, which the limit is below."""
+
 
 class ConfigError(TapeSACError):
     """A setting is invalid (out of range, or in conflict with another); raised before any work."""

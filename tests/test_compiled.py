@@ -13,6 +13,7 @@ Compiling on CPU is slow: blocks are tiny, and each test compiles at most three 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -330,6 +331,62 @@ def test_compiled_steps_are_measured_compiled_and_plans_grow_into_the_slack():
         assert len(history) >= 2, history
         assert history[1]["planned_limit_bytes"] > history[0]["planned_limit_bytes"]
         assert history[1]["predicted_peak_bytes"] > history[0]["predicted_peak_bytes"]
+
+
+class FusingBlock(torch.nn.Module):
+    """A cheap, large transient (``repeat``, ``tanh``) reduced at once: eager code makes it in
+    the forward and in every replay; inductor fuses it into one kernel and never makes it. The
+    eager memory model's smallest step peak is about five times compiled replay-only's."""
+
+    def __init__(self, d: int = 32, repeats: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.repeats = repeats
+
+    def forward(self, x):
+        h = self.lin(x)
+        big = torch.tanh(h.repeat(1, 1, self.repeats))
+        return x + big.view(*h.shape[:-1], self.repeats, -1).mean(-2)
+
+
+@pytest.mark.parametrize("limit, slack, error", [
+    (2_000_000, True, None),  # under the eager floor (6.8 MB), over compiled replay-only (1.3 MB)
+    (2_000_000, False, "is infeasible: even recomputing everything"),  # the eager floor, not tried
+    (500_000, True, "is infeasible: step 4 kept nothing"),  # under compiled replay-only too
+])
+def test_a_limit_under_the_eager_floor_is_tried_compiled_replay_only_and_kept_if_measured_within(
+        limit, slack, error):
+    """With ``compiled_raise_into_slack``, a limit the eager memory model calls infeasible runs
+    replay-only compiled, and its measured compiled step decides: within the limit, the run goes
+    on; over it, a PlanError naming the measured peak. Without the option, the predicted floor
+    refuses the limit before any compiled step."""
+    model = Model(blocks=2)
+    torch.manual_seed(0)
+    model.layers = torch.nn.ModuleList(FusingBlock() for _ in range(2))
+    torch._dynamo.reset()
+    handle = tapesac.wrap(model.layers, compile=True,
+                          plan_config=PlanConfig(memory_limit_bytes=limit, compiled_raise_into_slack=slack))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        with pytest.raises(tapesac.PlanError, match=error) if error else contextlib.nullcontext():
+            for step in range(7):
+                opt.zero_grad(set_to_none=True)
+                model(tokens(step, 0, 256)).backward()
+                opt.step()
+        history, stats = handle.planner.history, handle.stats()
+        entries = list(handle.planner.plans.values())
+    finally:
+        handle.remove()
+    if error is not None and not slack:
+        assert not history  # refused at the profiled step's end, before any step under a plan
+        return
+    assert [e.policy.predicted_peak_bytes for e in entries] == [None]  # replay-only, no plan made
+    assert not any(b.keep for b in entries[0].policy.blocks.values())
+    assert len(history) == 1 and history[0]["compiled"] and history[0]["meter"] == "allocator events"
+    if error is None:
+        assert history[0]["measured_peak_bytes"] <= limit and all(s["compiled"] for s in stats.values())
+    else:
+        assert history[0]["measured_peak_bytes"] > limit
 
 
 def test_raising_into_slack_bisects_between_plans_measured_within_and_over():

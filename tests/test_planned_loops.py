@@ -148,34 +148,78 @@ def test_a_saved_policy_is_loaded_without_profiling(tmp_path):
     assert handle.planner.history and all(p <= (lo + hi) / 2 for p in peaks[1:])
 
 
-def test_measured_overshoot_replans_tighter_and_falls_back_to_replay_only(caplog):
-    """Memory the profiled step did not show (a scratch buffer the loop allocates from step 3 on) pushes the
-    first planned step over the limit: the plan is tightened until it fits, and when nothing but
-    replay-only fits, the run goes on replay-only with a warning instead of raising."""
+def _hog(inner: Loop, extra: float) -> Loop:
+    """``inner`` with a scratch buffer of ``extra`` bytes, alive through every step's forwards and
+    backwards from step 2 on: memory the profiled step (step 1) did not show."""
+    def run(model: Model, step: int, seq: int) -> list[torch.Tensor]:
+        scratch = torch.ones(int(extra) // 4) if step >= 2 else None  # float32: 4 bytes each
+        losses = inner(model, step, seq)
+        del scratch
+        return losses
+    return run
+
+
+def test_measured_overshoot_replans_tighter_until_the_plan_fits(caplog):
+    """Memory the profiled step did not show pushes the first planned step over the limit: the
+    plan is tightened until it fits."""
     model_fn = lambda: Model()  # noqa: E731
     inner = forwards_first(1)
     lo, hi = span(model_fn, inner, 48)
     limit = lo + 0.8 * (hi - lo)
-
-    def hog(extra: float) -> Loop:
-        def run(model: Model, step: int, seq: int) -> list[torch.Tensor]:
-            scratch = torch.ones(int(extra) // 4) if step >= 2 else None  # float32: 4 bytes each
-            losses = inner(model, step, seq)
-            del scratch  # alive through the step's forwards and backwards
-            return losses
-        return run
-
     with caplog.at_level(logging.INFO, logger="tapesac"):
-        handle, peaks = planned(model_fn, hog(0.5 * (hi - lo)), [48] * 8, limit)
+        handle, peaks = planned(model_fn, _hog(inner, 0.5 * (hi - lo)), [48] * 8, limit)
     assert any("re-planning" in r.message for r in caplog.records)
     assert len(handle.planner.history) >= 2 and handle.planner.history[-1]["measured_peak_bytes"] <= limit
     assert peaks[-1] <= limit
-    caplog.clear()
+
+
+@pytest.mark.parametrize("max_replans", [3, 0])
+def test_a_limit_that_even_replay_only_measures_over_is_an_error_that_names_the_peak(max_replans):
+    """When replay-only itself is measured over the limit, the run stops with a PlanError naming
+    the measured peak instead of training on over the limit. Both ways there: a re-plan that finds
+    no plan but replay-only, and re-plans used up (replay-only is measured before it is trusted)."""
+    model_fn = lambda: Model()  # noqa: E731
+    inner = forwards_first(1)
+    lo, hi = span(model_fn, inner, 48)
+    limit = lo + 0.8 * (hi - lo)
+    model = model_fn()
+    handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=int(limit),
+                                                               max_replans=max_replans))
+    try:
+        with pytest.raises(tapesac.errors.PlanError, match="is infeasible: step [0-9]+ kept nothing") as info:
+            # replay-only with the loop's buffer peaks about 2% of the floor over the limit
+            train(model, _hog(inner, limit - 0.98 * lo), [48] * 12, handle)
+    finally:
+        handle.remove()
+    history = handle.planner.history
+    last = history[-1]
+    assert last["measured_peak_bytes"] > limit
+    assert f"({last['measured_peak_bytes']:.0f} bytes)" in str(info.value)
+    entry = next(iter(handle.planner.plans.values()))
+    assert not any(b.keep or b.passthrough for b in entry.policy.blocks.values())
+    assert history[0]["predicted_peak_bytes"] is not None, "the first measured step was not under a plan"
+    assert 2 <= len(history) <= 2 + max_replans
+
+
+def test_on_infeasible_replay_only_trains_on_over_the_limit_with_a_warning(caplog):
+    model_fn = lambda: Model()  # noqa: E731
+    inner = forwards_first(1)
+    lo, hi = span(model_fn, inner, 48)
+    limit = lo + 0.8 * (hi - lo)
     with caplog.at_level(logging.INFO, logger="tapesac"):
-        handle, _ = planned(model_fn, hog(limit - lo * 0.98), [48] * 10, limit)
-    assert any("replay-only" in r.message for r in caplog.records)
+        handle, peaks = planned(model_fn, _hog(inner, limit - lo * 0.98), [48] * 10, limit,
+                                on_infeasible="replay_only")
+    assert any("going on replay-only, over the limit" in r.message for r in caplog.records)
     entry = next(iter(handle.planner.plans.values()))
     assert not any(b.keep for b in entry.policy.blocks.values())
+    assert handle.planner.history[-1]["measured_peak_bytes"] > limit
+    # Measured once: the steps after it are not re-measured step after step.
+    assert handle.planner.history[-1]["step"] < 9
+
+
+def test_an_unknown_on_infeasible_setting_is_refused_with_the_choices():
+    with pytest.raises(tapesac.ConfigError, match="on_infeasible must be one of error, replay_only, got 'warn'"):
+        PlanConfig(memory_limit_bytes=10**9, on_infeasible="warn")
 
 
 def test_flop_counter_around_planned_steps_sees_every_flop_and_leaves_the_stack_clean():

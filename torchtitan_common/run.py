@@ -170,7 +170,7 @@ class TapeSACRun:
             warmup_steps=int(cfg.warmup_steps), profile_steps=int(cfg.profile_steps),
             repeats=int(cfg.profile_repeats), timing_reduction=cfg.timing_reduction,
             solver_time_limit_s=float(cfg.solver_time_limit_s), verify=bool(cfg.verify),
-            compiled_raise_into_slack=bool(cfg.compiled_raise_into_slack),
+            compiled_raise_into_slack=bool(cfg.compiled_raise_into_slack), on_infeasible=cfg.on_infeasible,
             policy_path=in_file(_artifact(cfg.policy_file, dump_folder, "policy.json")),
             frontier_path=in_file(_artifact(cfg.frontier_file, dump_folder, "frontier.json")),
             device=dev, track=lambda: track,

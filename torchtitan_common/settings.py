@@ -77,8 +77,14 @@ class TapeSACSettings:
 
     compiled_raise_into_slack: bool = _PLAN.compiled_raise_into_slack
     """Compiled mode (``compile.enable``): re-plan into the slack a measured compiled step leaves
-    under the limit. Off by default: a raised plan may exceed the limit once before the run goes
-    back to the last plan measured within it."""
+    under the limit, and try a limit under the eager model's smallest peak replay-only compiled
+    (kept if measured within) instead of refusing it. Off by default: a raised plan or such a try
+    may exceed the limit once before the run goes back or stops."""
+
+    on_infeasible: Literal["error", "replay_only"] = _PLAN.on_infeasible
+    """When a step that keeps nothing (replay-only, the smallest peak there is) is measured over
+    the limit: 'error' ends the job with the measured peak; 'replay_only' trains on, over the
+    limit, with a warning."""
 
     debug: bool = False
     """Compare every recomputed value with the forward's and fail on any difference (slow)."""
@@ -108,6 +114,6 @@ class TapeSACSettings:
 
 
 SHARED_WITH_PLAN_CONFIG = ("safety_margin", "warmup_steps", "profile_steps", "solver_time_limit_s",
-                           "timing_reduction", "data_dependent_sizes")
+                           "timing_reduction", "data_dependent_sizes", "on_infeasible")
 """Fields with the same name here and in PlanConfig (``profile_repeats`` is PlanConfig's
 ``repeats``; ``verify`` is checked by type only)."""

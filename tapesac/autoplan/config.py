@@ -12,6 +12,7 @@ from ..errors import ConfigError, TapeSACError
 
 
 DATA_DEPENDENT_SIZES = ("bound", "profiled")
+ON_INFEASIBLE = ("error", "replay_only")
 
 
 @dataclasses.dataclass
@@ -53,11 +54,20 @@ class PlanConfig:
     """Compiled mode: a measured step well under the limit re-plans for the limit raised by that
     slack (compiled code peaks below the eager memory model), bisecting between the highest
     planned limit measured within and the lowest measured over, at most ``max_replans`` raises.
-    Off by default: each raised plan's steps may exceed the limit once (its first, compiling
-    step is not measured on CPU; its measured step may overshoot) before the run goes back to
-    the last plan measured within it."""
+    A limit under the eager model's smallest peak is tried replay-only compiled instead of
+    refused, and kept if its measured step is within it (else ``on_infeasible``). Off by
+    default: each raised plan's steps, and such a try's, may exceed the limit once (its first,
+    compiling step is not measured on CPU; its measured step may overshoot) before the run goes
+    back to the last plan measured within it."""
     max_replans: int = 3
     """Re-plans per step key after measured overshoots, before falling back to replay-only."""
+    on_infeasible: str = "error"
+    """What a step key does when replay-only (nothing kept: the smallest peak there is) is
+    measured over the limit, so that no plan can keep it (memory the profiled step did not
+    show: a buffer of the loop's own, a kernel's working memory, compiled code's buffers):
+    ``"error"`` ends planned mode with a :class:`~tapesac.errors.PlanError` that names the
+    measured peak, as the first plan does for a limit it predicts infeasible; ``"replay_only"``
+    goes on replay-only, over the limit, with a warning."""
     max_plans: int = 8
     """Step keys (input shapes) planned at most; steps of further keys run replay-only."""
     max_profile_failures: int = 2
@@ -122,6 +132,9 @@ def check_settings(settings: Any, names: dict[str, str] | None = None) -> None:
     if names.get("data_dependent_sizes", "data_dependent_sizes").rsplit(".", 1)[-1] in getattr(
             settings, "__dataclass_fields__", {}) and get("data_dependent_sizes") not in DATA_DEPENDENT_SIZES:
         fail("data_dependent_sizes", "one of " + ", ".join(DATA_DEPENDENT_SIZES))
+    if names.get("on_infeasible", "on_infeasible").rsplit(".", 1)[-1] in getattr(
+            settings, "__dataclass_fields__", {}) and get("on_infeasible") not in ON_INFEASIBLE:
+        fail("on_infeasible", "one of " + ", ".join(ON_INFEASIBLE))
     if get("timing_reduction") not in tdist.REDUCTIONS:
         fail("timing_reduction", "one of " + ", ".join(sorted(tdist.REDUCTIONS)))
 

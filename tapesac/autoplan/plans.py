@@ -28,6 +28,12 @@ from .step import StepPlan, _StepState
 log = logging.getLogger("tapesac")
 
 
+def keeps_nothing(policy: Policy) -> bool:
+    """``policy`` keeps no value of any block and runs none as plain autograd: replay-only,
+    the smallest step peak there is."""
+    return not any(b.keep or b.passthrough for b in policy.blocks.values())
+
+
 class PlanBook:
     """The plans of one run by step key (at most ``max_plans``), and the keys given up."""
 
@@ -197,6 +203,18 @@ class PlanMaker:
                       "largest (data_dependent_sizes=\"bound\")", bounded)
         return merged
 
+    def _over_at_floor(self, measured: float, limit: float, step: int) -> None:
+        """A step that kept nothing measured ``measured``, over ``limit``: no plan can keep the
+        limit. An error (``on_infeasible="error"``), or a warning and replay-only from here on."""
+        msg = (f"TapeSAC: memory limit {fmt_bytes(limit)} ({limit:.0f} bytes) is infeasible: step {step} kept "
+               f"nothing (replay-only, the smallest peak there is) and measured {fmt_bytes(measured)} "
+               f"({measured:.0f} bytes), more than the profiled step showed (a buffer of the loop's own, a "
+               "kernel's working memory or compiled code's buffers). Raise the limit to at least that, or "
+               "reduce batch size or sequence length")
+        if self.config.on_infeasible == "error":
+            fail(self.config, PlanError(msg))
+        self._log(logging.WARNING, "%s; going on replay-only, over the limit (on_infeasible='replay_only')", msg)
+
     def solve(self, entry: StepPlan, limit: float, first: bool) -> None:
         """Rank 0 plans ``entry`` for ``limit`` and broadcasts; every rank applies the same."""
         cfg = self.config
@@ -213,12 +231,20 @@ class PlanMaker:
                                        **cfg.policy_meta})
                 payload = ("plan", plan)
             except PlanError as e:
-                payload = ("error", str(e))
+                payload = ("infeasible" if e.floor_bytes is not None else "error", str(e))
             except Exception as e:  # noqa: BLE001 - never leave the other ranks in the broadcast
                 payload = ("error", f"TapeSAC: the planner failed ({type(e).__name__}: {e}); please "
                                     "report it with the saved block graphs (PlanConfig.graph_dir)")
         kind, value = tdist.broadcast(payload, self.group)
-        if kind == "error":
+        if kind == "infeasible" and first and self.compiled.active and cfg.compiled_raise_into_slack:
+            # Compiled code peaks below the eager memory model (fused kernels make fewer
+            # transients): replay-only compiled may keep a limit the model calls infeasible.
+            self._log(logging.WARNING, "TapeSAC: %s. Compiled code peaks below this prediction: trying "
+                      "replay-only compiled, measured before it is trusted (compiled_raise_into_slack)", value)
+            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
+            entry.plan, entry.verified, entry.limit_bytes = None, False, limit
+            return
+        if kind != "plan":
             if first:
                 self._stop_trace()
                 fail(self.config, PlanError(value))
@@ -275,7 +301,8 @@ class PlanMaker:
         ``step``-th), by ``meter``: the step trace's (a storage counter on CPU, which runs compiled
         blocks eagerly; allocator statistics on CUDA), or the CPU allocator's events (compiled
         code). Within the limit: verified (compiled mode may raise into the slack); over it:
-        re-planned tighter, at most ``max_replans`` times, then replay-only."""
+        re-planned tighter, at most ``max_replans`` times, then replay-only, itself measured; a
+        step that keeps nothing and is still over ends planned mode (``on_infeasible``)."""
         if tdist.active(self.group):
             measured = max(tdist.all_gather(measured, self.group))
         predicted = entry.policy.predicted_peak_bytes
@@ -295,11 +322,16 @@ class PlanMaker:
             self._log(logging.WARNING, "TapeSAC: the loaded policy exceeds the limit; profiling again")
             del self.plans[entry.key]
             return
+        if keeps_nothing(entry.policy):
+            if measured > limit:
+                self._over_at_floor(measured, limit, step)
+            return
         entry.replans += 1
         if entry.replans > self.config.max_replans:
             self._log(logging.WARNING, "TapeSAC: still over the limit after %d re-plans; this step shape runs "
-                      "replay-only", self.config.max_replans)
+                      "replay-only (measured next)", self.config.max_replans)
             entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
+            entry.plan, entry.verified = None, False
             return
         overshoot = measured - (predicted if predicted is not None else measured)
         tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit

@@ -116,11 +116,13 @@ def make_plan(graphs: dict[int, BlockGraph], memory: StepMemory, limit_bytes: fl
         alloc = allocate(memory, frontiers, limit_bytes, solver_time_limit_s, deltas, margin)
     except PlanError as e:
         if any(g.storage_bound_bytes is not None for g in profiled.values()):
-            raise PlanError(f"{e}. That peak is for the largest sizes the data can give (MoE routing, "
-                            "data_dependent_sizes=\"bound\"): steps that route more than the profiled one "
-                            "are planned to fit too. data_dependent_sizes=\"profiled\" plans for the "
-                            "profiled step's sizes instead (a lower floor; heavier routing may exceed the "
-                            "limit)") from None
+            error = PlanError(f"{e}. That peak is for the largest sizes the data can give (MoE routing, "
+                              "data_dependent_sizes=\"bound\"): steps that route more than the profiled one "
+                              "are planned to fit too. data_dependent_sizes=\"profiled\" plans for the "
+                              "profiled step's sizes instead (a lower floor; heavier routing may exceed the "
+                              "limit)")
+            error.floor_bytes = e.floor_bytes
+            raise error from None
         raise
     sweep = global_frontier(memory, frontiers, points=frontier_points, deltas=deltas) if frontier_points else []
     policy_blocks = {}

@@ -171,12 +171,14 @@ def allocate(memory: StepMemory, frontiers: dict[int, list[Point]], limit_bytes:
     deltas = deltas if deltas is not None else formula_deltas(memory, frontiers)
     floor = smallest_peak(memory, frontiers, deltas)
     if floor > limit_bytes:
-        raise PlanError(
+        error = PlanError(
             f"memory limit {fmt_bytes(limit_bytes)} ({limit_bytes:.0f} bytes) is infeasible: even "
             f"recomputing everything, the predicted step peak is {fmt_bytes(floor)} ({floor:.0f} "
             "bytes), the smallest achievable. Raise the limit (budget) to at least that, or reduce "
             "batch size or sequence length"
         )
+        error.floor_bytes = floor
+        raise error
     limit_bytes = max(limit_bytes * (1 - margin), floor)
     choice = greedy(memory, frontiers, limit_bytes, deltas)
     label = "greedy"
