@@ -106,9 +106,9 @@ def test_the_custom_ops_refuse_what_they_do_not_compute():
         fla_cpu.causal_conv1d_op(torch.zeros(2, 4, 2), torch.zeros(2, 4), cu_seqlens=cu, cu_seqlens_cpu=cu)
 
 
-def _midpoint_limit(rows: int, seq: int) -> int:
+def _midpoint_limit(rows: int, seq: int, flavor: str = "debugmodel") -> int:
     """Halfway between the smallest and the largest useful predicted step peak (eager)."""
-    net = qwen35.model("debugmodel")
+    net = qwen35.model(flavor)
     handle = tapesac.wrap(qwen35.blocks(net), memory_limit_bytes=1 << 40)
     try:
         qwen35.train(net, 3, rows, seq)
@@ -139,7 +139,8 @@ def test_planned_with_the_kernels_as_custom_ops_is_exact_and_replays_them(custom
     assert plan.allocation.recompute_s > 0, "the plan recomputes nothing at a limit below its top"
 
 
-def test_compiled_mode_maps_the_deltanet_blocks_and_trains_as_compile_without_ac(custom_ops, monkeypatch):
+@pytest.mark.parametrize("flavor", sorted(SHAPES))
+def test_compiled_mode_maps_the_deltanet_blocks_and_trains_as_compile_without_ac(custom_ops, monkeypatch, flavor):
     """Compiled mode on Qwen3.5 with its kernels as custom ops: every block's plan maps onto its
     compiled trace (the DeltaNet's CPU offsets, ``torch.tensor(list)``, trace as one
     ``scalar_tensor`` per value once their values are symbolic: compiled invariant 1d), and the
@@ -153,18 +154,18 @@ def test_compiled_mode_maps_the_deltanet_blocks_and_trains_as_compile_without_ac
     steps = 6
     # As the trainer's compiled mode: torchtitan's dynamo settings, and RoPE's eager-only check
     # of positions skipped in eager forwards too.
-    options = _compile_like_torchtitan(qwen35.model("debugmodel"), {"backend": "inductor"})
-    reference = qwen35.model("debugmodel")
+    options = _compile_like_torchtitan(qwen35.model(flavor), {"backend": "inductor"})
+    reference = qwen35.model(flavor)
     for block in qwen35.blocks(reference):
         block.compile()
-    expected = qwen35.train(reference, steps, *SHAPES["debugmodel"])
-    limit = _midpoint_limit(*SHAPES["debugmodel"])
-    net = qwen35.model("debugmodel")
+    expected = qwen35.train(reference, steps, *SHAPES[flavor])
+    limit = _midpoint_limit(*SHAPES[flavor], flavor)
+    net = qwen35.model(flavor)
     handle = tapesac.wrap(qwen35.blocks(net), memory_limit_bytes=limit, compile=True, compile_options=options)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", MappingWarning)
-            actual = qwen35.train(net, steps, *SHAPES["debugmodel"])
+            actual = qwen35.train(net, steps, *SHAPES[flavor])
         stats = handle.stats()
         plan = handle.plan.policy.blocks
         broken = [b.index for b in handle.blocks if b.compiled is not None and b.compiled.broken]

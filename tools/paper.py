@@ -824,7 +824,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
     lines += ["## Not yet run by this harness", "",
               "- **3. and 1b. with fla's Triton kernels** (on a GPU): here the Qwen3.5 job's kernels are CPU "
               "stand-ins wrapped as custom ops (claim 1b), whose times and working memory are the CPU "
-              "reference's, not the kernels'. Qwen3.5 MoE compiled is not run.",
+              "reference's, not the kernels'. Qwen3.5 MoE compiled is tested in-process, not run in claim 1b.",
               "- **5. with the probe under tensor parallelism** (torchtitan's 397B job runs TP 8; the probe "
               "models a rank without it).", ""]
     return "\n".join(lines)

@@ -208,9 +208,8 @@ class PlanMaker:
         limit. An error (``on_infeasible="error"``), or a warning and replay-only from here on."""
         msg = (f"TapeSAC: memory limit {fmt_bytes(limit)} ({limit:.0f} bytes) is infeasible: step {step} kept "
                f"nothing (replay-only, the smallest peak there is) and measured {fmt_bytes(measured)} "
-               f"({measured:.0f} bytes), more than the profiled step showed (a buffer of the loop's own, a "
-               "kernel's working memory or compiled code's buffers). Raise the limit to at least that, or "
-               "reduce batch size or sequence length")
+               f"({measured:.0f} bytes), over the limit, so no plan can keep it. Raise the limit to at least "
+               "that, or reduce batch size or sequence length")
         if self.config.on_infeasible == "error":
             fail(self.config, PlanError(msg))
         self._log(logging.WARNING, "%s; going on replay-only, over the limit (on_infeasible='replay_only')", msg)
