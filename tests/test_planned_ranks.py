@@ -38,9 +38,18 @@ def _worker(rank: int, world: int, port: int, scenario: str, tmp: str, queue) ->
                 with open(path, "wb") as f:
                     f.write(os.urandom(300))
             config["policy_path"] = path
-        handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=10**12, **config))
+        limit = 10**8 if scenario == "over_on_rank_1" else 10**12
+        handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=limit, **config))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loop = forwards_first(2)
+        if scenario == "over_on_rank_1":
+            inner = loop
+
+            def loop(model, step, seq):  # from the first planned step on, 1 GB more on rank 1 only
+                scratch = torch.empty(10**9, dtype=torch.uint8) if rank == 1 and step >= 2 else None
+                losses = inner(model, step, seq)
+                del scratch
+                return losses
         if scenario.startswith("retain_graph"):
             def loop(model, step, seq):  # a graph retained for a second backward every third step
                 losses = [model(tokens(step, m, seq)) / 2 for m in range(2)]
@@ -120,3 +129,12 @@ def test_a_graph_retained_on_one_rank_only_changes_the_same_things_on_every_rank
     assert r[0]["plans"] == r[1]["plans"] and r[0]["retained"] == r[1]["retained"]
     assert r[0]["keep"] == r[1]["keep"] and r[0]["mode"] == r[1]["mode"]
     assert "error" not in r[0] and "error" not in r[1]
+
+
+def test_a_limit_one_rank_cannot_keep_even_replay_only_stops_every_rank_with_the_same_error(tmp_path):
+    """Rank 1 alone holds a buffer the profile did not show: the ranks re-plan alike (the largest
+    measured peak decides) and both stop with the same PlanError once replay-only is measured over."""
+    r = _run("over_on_rank_1", tmp_path)
+    assert r[0]["error"] == r[1]["error"]
+    assert "kept nothing (replay-only, the smallest peak there is)" in r[0]["error"]
+    assert r[0]["history"] == r[1]["history"] and r[0]["history"][-1]["measured_peak_bytes"] > 10**9
