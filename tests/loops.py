@@ -102,8 +102,12 @@ def train(model: Model, loop: Loop, seqs: list[int], handle=None, allocator: boo
     ``allocator`` the step also runs under the PyTorch profiler, whose ``[memory]`` events are an
     independent meter: the highest running total of the CPU allocator's bytes, plus the bytes of
     the storages alive when the step starts."""
+    return list(steps(model, loop, seqs, allocator))
+
+
+def steps(model: Model, loop: Loop, seqs: list[int], allocator: bool = False):
+    """:func:`train`'s steps, one at a time (a step that raises ends it there)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    results = []
     for step, seq in enumerate(seqs):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(step)  # dropout draws the same numbers in both runs
@@ -116,8 +120,7 @@ def train(model: Model, loop: Loop, seqs: list[int], handle=None, allocator: boo
             opt.step()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         peak = start_bytes + events.peak_bytes if allocator else None
-        results.append(([loss.detach() for loss in losses], grads, counter.peak_bytes, peak))
-    return results
+        yield [loss.detach() for loss in losses], grads, counter.peak_bytes, peak
 
 
 LOOPS = {

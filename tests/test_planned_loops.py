@@ -9,6 +9,7 @@ entered around the whole step), and every step after the first plan must stay un
 from __future__ import annotations
 
 import logging
+import random
 from typing import Callable
 
 import pytest
@@ -18,7 +19,7 @@ import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.meter import StorageCounter
 
-from .loops import LOOPS, Loop, Model, _tracked, forwards_first, interleaved, train
+from .loops import LOOPS, Loop, Model, _tracked, forwards_first, interleaved, steps, train
 
 
 def assert_same(expected, actual) -> None:
@@ -199,6 +200,47 @@ def test_a_limit_that_even_replay_only_measures_over_is_an_error_that_names_the_
     assert not any(b.keep or b.passthrough for b in entry.policy.blocks.values())
     assert history[0]["predicted_peak_bytes"] is not None, "the first measured step was not under a plan"
     assert 2 <= len(history) <= 2 + max_replans
+
+
+_SPANS: dict[str, tuple[float, float]] = {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_limits_and_hidden_buffers_fit_or_stop_with_a_plan_error(seed):
+    """Seeded: a loop shape, a limit from just under the floor to over the top, and a buffer of
+    the loop's own the profile never saw (alive from the first planned step on). Every step runs
+    exactly as without TapeSAC; the run either ends with its last measured plan within the limit
+    and every later step under it, or stops with a PlanError once replay-only is measured over."""
+    rng = random.Random(seed)
+    name = rng.choice(sorted(LOOPS))
+    loop, model_fn = LOOPS[name]
+    if name not in _SPANS:
+        _SPANS[name] = span(model_fn, loop, 48)
+    lo, hi = _SPANS[name]
+    limit = int(lo + rng.uniform(0.0, 1.1) * (hi - lo))
+    hidden = _hog(loop, rng.uniform(0.0, 0.6) * lo)
+    n_steps = 9
+    expected = train(model_fn(), hidden, [48] * n_steps)
+    model = model_fn()
+    handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=limit))
+    results, error = [], None
+    try:
+        for result in steps(model, hidden, [48] * n_steps):
+            results.append(result)
+    except tapesac.PlanError as e:
+        error = e
+    finally:
+        handle.remove()
+    where = f"seed {seed}: {name}, limit {limit}, span {lo:.0f}..{hi:.0f}"
+    assert_same(expected[:len(results)], results)
+    history = handle.planner.history
+    assert history, where
+    if error is not None:
+        assert "kept nothing" in str(error) and history[-1]["measured_peak_bytes"] > limit, (where, error)
+        assert not any(b.keep for e in handle.planner.plans.values() for b in e.policy.blocks.values()), where
+        return
+    assert len(results) == n_steps and history[-1]["measured_peak_bytes"] <= limit, (where, history)
+    assert all(peak <= limit for _l, _g, peak, _a in results[history[-1]["step"] + 1:]), where
 
 
 def test_on_infeasible_replay_only_trains_on_over_the_limit_with_a_warning(caplog):
