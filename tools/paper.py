@@ -524,9 +524,14 @@ PAPER = {
 
 
 def _refusal(row: dict) -> str:
-    """A refused run in a table cell: the smallest peak TapeSAC said it can reach."""
-    m = re.search(r"the predicted step peak is ([0-9.]+ [KMG]iB)", row.get("error") or "")
-    return f"refused: its smallest peak is {m.group(1)}" if m else "refused"
+    """A refused run in a table cell: the smallest peak TapeSAC said it can reach (predicted
+    before training, or replay-only measured in it)."""
+    error = row.get("error") or ""
+    m = re.search(r"the predicted step peak is ([0-9.]+ [KMG]iB)", error)
+    if m:
+        return f"refused: its smallest peak is {m.group(1)}"
+    m = re.search(r"step ([0-9]+) kept nothing .* measured ([0-9.]+ [KMG]iB)", error)
+    return f"stopped at step {m.group(1)}: replay-only measured {m.group(2)}" if m else "refused"
 
 
 def budget_section(data: dict) -> list[str]:
