@@ -243,6 +243,23 @@ def test_random_limits_and_hidden_buffers_fit_or_stop_with_a_plan_error(seed):
     assert all(peak <= limit for _l, _g, peak, _a in results[history[-1]["step"] + 1:]), where
 
 
+def test_an_overshoot_larger_than_the_limit_goes_to_replay_only_without_a_negative_re_plan(caplog):
+    model_fn = lambda: Model()  # noqa: E731
+    inner = forwards_first(1)
+    lo, hi = span(model_fn, inner, 48)
+    limit = lo + 0.8 * (hi - lo)
+    model = model_fn()
+    handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=int(limit)))
+    try:
+        with caplog.at_level(logging.INFO, logger="tapesac"), pytest.raises(tapesac.PlanError, match="kept nothing"):
+            train(model, _hog(inner, 3 * limit), [48] * 8)
+    finally:
+        handle.remove()
+    assert any("more than any plan can save" in r.message for r in caplog.records)
+    assert not any("re-planning for -" in r.message for r in caplog.records)
+    assert len(handle.planner.history) == 2  # the plan's first step, then replay-only's
+
+
 def test_on_infeasible_replay_only_trains_on_over_the_limit_with_a_warning(caplog):
     model_fn = lambda: Model()  # noqa: E731
     inner = forwards_first(1)

@@ -334,6 +334,12 @@ class PlanMaker:
             return
         overshoot = measured - (predicted if predicted is not None else measured)
         tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit
+        if tighter <= 0:  # more over than the whole limit: only keeping nothing can still fit
+            self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s, more than any plan can "
+                      "save; this step shape runs replay-only (measured next)", fmt_bytes(measured - limit))
+            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
+            entry.plan, entry.verified = None, False
+            return
         self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s; re-planning for %s",
                   fmt_bytes(measured - limit), fmt_bytes(tighter))
         self.solve(entry, tighter, first=False)
