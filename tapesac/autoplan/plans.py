@@ -240,8 +240,8 @@ class PlanMaker:
             # transients): replay-only compiled may keep a limit the model calls infeasible.
             self._log(logging.WARNING, "TapeSAC: %s. Compiled code peaks below this prediction: trying "
                       "replay-only compiled, measured before it is trusted (compiled_raise_into_slack)", value)
-            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
-            entry.plan, entry.verified, entry.limit_bytes = None, False, limit
+            entry.run_replay_only()
+            entry.limit_bytes = limit
             return
         if kind != "plan":
             if first:
@@ -249,8 +249,7 @@ class PlanMaker:
                 fail(self.config, PlanError(value))
             self._log(logging.WARNING, "TapeSAC: no plan fits the tightened limit %s (%s); this step shape runs "
                         "replay-only, the smallest peak there is", fmt_bytes(limit), value)
-            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
-            entry.plan, entry.verified = None, False
+            entry.run_replay_only()
             return
         self.adopt(entry, value, limit)
         entry.verified = not cfg.verify
@@ -329,16 +328,14 @@ class PlanMaker:
         if entry.replans > self.config.max_replans:
             self._log(logging.WARNING, "TapeSAC: still over the limit after %d re-plans; this step shape runs "
                       "replay-only (measured next)", self.config.max_replans)
-            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
-            entry.plan, entry.verified = None, False
+            entry.run_replay_only()
             return
         overshoot = measured - (predicted if predicted is not None else measured)
         tighter = entry.limit_bytes - max(overshoot, measured - limit) - 0.01 * limit
         if tighter <= 0:  # more over than the whole limit: only keeping nothing can still fit
             self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s, more than any plan can "
                       "save; this step shape runs replay-only (measured next)", fmt_bytes(measured - limit))
-            entry.policy = Policy.replay_only({b: p.signature for b, p in entry.policy.blocks.items()})
-            entry.plan, entry.verified = None, False
+            entry.run_replay_only()
             return
         self._log(logging.WARNING, "TapeSAC: measured peak over the limit by %s; re-planning for %s",
                   fmt_bytes(measured - limit), fmt_bytes(tighter))

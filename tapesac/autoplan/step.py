@@ -76,6 +76,12 @@ class StepPlan:
     retained: bool = False
     """The memory model includes a traced step that backwarded a recording twice (retain_graph)."""
 
+    def run_replay_only(self) -> None:
+        """From the next step on, keep nothing (the smallest step peak there is) until measured:
+        the fallback when no plan fits, itself checked against the limit before it is trusted."""
+        self.policy = Policy.replay_only({b: p.signature for b, p in self.policy.blocks.items()})
+        self.plan, self.verified = None, False
+
 
 def step_mode(purpose: TracePurpose | None, phase: Phase, planned: bool, first_measured: bool) -> str:
     """How a step ran, in words (``AutoPlanner.last_step_mode``): ``planned``: under the plan of
