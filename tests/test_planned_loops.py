@@ -186,20 +186,23 @@ def test_a_limit_that_even_replay_only_measures_over_is_an_error_that_names_the_
     model = model_fn()
     handle = tapesac.wrap(model.layers, plan_config=PlanConfig(memory_limit_bytes=int(limit),
                                                                max_replans=max_replans))
+    history = handle.planner.history
+    why = lambda: f"limit {limit:.0f}, floor {lo:.0f}; measured steps: {history}"  # noqa: E731
     try:
         with pytest.raises(tapesac.errors.PlanError, match="is infeasible: step [0-9]+ kept nothing") as info:
             # replay-only with the loop's buffer peaks about 2% of the floor over the limit
             train(model, _hog(inner, limit - 0.98 * lo), [48] * 12, handle)
+    except BaseException as e:  # a failure shows every measured step, for a run that differs
+        raise AssertionError(f"{e}; {why()}") from e
     finally:
         handle.remove()
-    history = handle.planner.history
     last = history[-1]
-    assert last["measured_peak_bytes"] > limit
+    assert last["measured_peak_bytes"] > limit, why()
     assert f"({last['measured_peak_bytes']:.0f} bytes)" in str(info.value)
     entry = next(iter(handle.planner.plans.values()))
-    assert not any(b.keep or b.passthrough for b in entry.policy.blocks.values())
-    assert history[0]["predicted_peak_bytes"] is not None, "the first measured step was not under a plan"
-    assert 2 <= len(history) <= 2 + max_replans
+    assert not any(b.keep or b.passthrough for b in entry.policy.blocks.values()), why()
+    assert history[0]["predicted_peak_bytes"] is not None, f"the first measured step was not under a plan; {why()}"
+    assert 2 <= len(history) <= 2 + max_replans, why()
 
 
 _SPANS: dict[str, tuple[float, float]] = {}
