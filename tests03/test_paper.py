@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_paper_harness_quick_run_writes_the_page(tmp_path):
-    cmd = [sys.executable, "tools/paper.py", "--quick", "--batches", "2", "--e2e-steps", "6", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # The README's quick run as it is; the timeout only guards against a hang (it took 11.4 min
+    # beside the other tests on two cores, 8.6 min alone).
+    cmd = [sys.executable, "tools/paper.py", "--quick", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "paper.json").read_text())
     rows = data["claim1_summary"]["llama3"]
@@ -31,7 +33,7 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
     assert {r["policy"] for r in sweep} == {"full AC", "selective AC", "TapeSAC planned"}
     assert all(not r["failed"] for r in sweep), sweep
     e2e = data["claim4"]["runs"]
-    assert e2e["TapeSAC planned (90% of device)"]["exact"] and len(e2e["none"]["losses"]) == 6
+    assert e2e["TapeSAC planned (90% of device)"]["exact"] and len(e2e["none"]["losses"]) == 50
     cfg = data["claim3"]["config"]
     blocks = cfg["blocks"]
     # The kernel's temporaries (a tile of each of its K + 1 intermediates, the gradient and a

@@ -837,7 +837,7 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one job, one round, short runs (a smoke run, < 10 min)")
+    ap.add_argument("--quick", action="store_true", help="one job, one round, one batch, 50 end-to-end steps on llama3 (a smoke run, < 10 min)")
     ap.add_argument("--claims", default="1,1b,2,3,4,5,6",
                     help="1b: claim 1's jobs compiled (Qwen3.5 dense with its kernels as custom ops), against "
                          "compile's memory budget")
@@ -846,7 +846,7 @@ def main() -> None:
                          "then names its own command, commit and date)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--jobs", default=None, help="claim 1's jobs, comma-separated: " + ", ".join(JOBS))
-    ap.add_argument("--e2e-job", default="Qwen3.5 dense")
+    ap.add_argument("--e2e-job", default=None, help="claim 4's job (default Qwen3.5 dense; --quick: llama3)")
     ap.add_argument("--e2e-steps", type=int, default=None)
     ap.add_argument("--batches", default=None, help="claim 2's local batches, comma-separated")
     ap.add_argument("--out", default="docs", help="where paper.md, paper.json and the plots go")
@@ -873,8 +873,9 @@ def main() -> None:
         ap.error(f"--claims: this harness runs claims 1, 1b and 2 to 6; got {args.claims!r}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     jobs = args.jobs.split(",") if args.jobs else (["llama3"] if args.quick else list(JOBS))
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2, 4] if args.quick else [2, 4, 6, 8])
-    e2e_steps = args.e2e_steps or (12 if args.quick else 500)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2] if args.quick else [2, 4, 6, 8])
+    e2e_steps = args.e2e_steps or (50 if args.quick else 500)
+    e2e_job = args.e2e_job or ("llama3" if args.quick else "Qwen3.5 dense")
     steps = 7 if args.quick else 10
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -932,7 +933,7 @@ def main() -> None:
         if "6" in claims:
             data["claim6"] = timed(6, lambda: claim6(args.quick, log))
         if "4" in claims:
-            data["claim4"] = timed(4, lambda: claim4(args.e2e_job, e2e_steps, tmp, log))
+            data["claim4"] = timed(4, lambda: claim4(e2e_job, e2e_steps, tmp, log))
             plot_losses(data["claim4"], out / "paper_end_to_end_losses.png")
     data["wall_s"] = time.perf_counter() - start
     verdicts = out / "paper_verdicts.json"  # written by people after reading the numbers
