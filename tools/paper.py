@@ -837,7 +837,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one job, one round, one batch, 50 end-to-end steps on llama3 (a smoke run, < 10 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one job, one round, one batch, 50 end-to-end steps on llama3 (a smoke run, < 10 min)")
     ap.add_argument("--claims", default="1,1b,2,3,4,5,6",
                     help="1b: claim 1's jobs compiled (Qwen3.5 dense with its kernels as custom ops), against "
                          "compile's memory budget")
