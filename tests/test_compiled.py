@@ -442,7 +442,7 @@ def test_alternating_shapes_and_a_shared_block_are_each_planned_and_measured_com
     is measured on a compiled step of its own (not eagerly under the storage counter, and not on
     the step that compiles it), and from then on every block runs compiled; the losses agree
     with compile without activation checkpointing."""
-    steps, seqs, order = 10, (64, 96), [0, 1, 2, 1]
+    steps, most_steps, seqs, order = 10, 16, (64, 96), [0, 1, 2, 1]
 
     def run(tapesac_limit):
         torch._dynamo.reset()
@@ -458,7 +458,12 @@ def test_alternating_shapes_and_a_shared_block_are_each_planned_and_measured_com
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, compiled = [], []
         try:
-            for step in range(steps):
+            for step in range(most_steps):
+                # A plan measured with room to spare is raised and measured again (one more
+                # compile): how many steps that takes depends on the measured op times, so a run
+                # goes on past ``steps``, up to ``most_steps``, until every plan is measured.
+                if handle is not None and step >= steps and all(e.verified for e in handle.planner.plans.values()):
+                    break
                 opt.zero_grad(set_to_none=True)
                 loss = model(tokens(step, 0, seqs[step % 2]))
                 loss.backward()
@@ -478,7 +483,7 @@ def test_alternating_shapes_and_a_shared_block_are_each_planned_and_measured_com
     # Between the smallest peak eager planned mode reaches here (1.9 MB) and no AC's (4.2 MB).
     limit = 2_600_000
     losses, compiled, history, verified = run(limit)
-    assert verified == [True, True], history  # both shapes planned, both measured
+    assert verified == [True, True], "\n".join(map(str, history))  # both shapes planned, both measured
     assert len({h["step_key"] for h in history}) == 2
     assert all(h["meter"] == "allocator events" for h in history), history
     assert_runs_within = [h for h in history if h["measured_peak_bytes"] <= limit]
