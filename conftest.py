@@ -6,7 +6,9 @@ two-rank torchrun job of its own: with torch's default of one thread per core, t
 thread pools contend for the cores and a step of the Qwen3.5 debug model takes 6 to 8 times as
 long as alone (measured 2026-12-07: 13.1 s against 1.7 s with one thread each). The models are
 small enough that one thread runs them as fast as two alone. Every comparison a test makes is
-between runs in one process, at one thread count."""
+between runs in one process, at one thread count. Inductor's pool of compile workers would be
+more processes on the same two cores; alone, the Qwen3.5 compiled tests took 233 s compiling
+in-process against 227 s with two workers (2026-12-07), so the pool buys nothing here."""
 
 import os
 
