@@ -50,8 +50,9 @@ def test_paper_harness_quick_run_writes_the_page(tmp_path):
                 assert r["peak_bytes"] <= r["limit_bytes"] + workspace, (kind["kind"], r)
     compiled = data["claim1b"]["llama3"]
     rows = data["claim1b_summary"]["llama3"]["rows"]
-    assert {"compile, no AC", "compile, full AC", "memory budget 0.8", "memory budget 0.5",
+    assert {"compile, no AC", "compile, full AC", "memory budget 0.8",  # --quick: two budgets
             "memory budget 0.2"} <= set(rows) and not any(rows[n].get("failed") for n in rows if "TapeSAC" not in n)
+    assert compiled["budgets"] == [0.8, 0.2] and "memory budget 0.5" not in rows
     for name, limit in compiled["limits"].items():  # TapeSAC+compile at a budget's peak: under it, or refused
         for rd in compiled["rounds"]:
             r = rd[name]

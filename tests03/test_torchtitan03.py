@@ -120,6 +120,11 @@ TapeSAC (None: budget 0.9 of the job's "device") and the limit in GiB that resul
 (``torchtitan03_ext.config_registry``)."""
 
 
+MODEL_STEPS = 4
+"""Warm-up, profile, the first planned step (measured) and one more: a re-plan after a first step
+over the limit is measured too."""
+
+
 @pytest.mark.parametrize("name", sorted(MODEL_JOBS))
 def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_path, name):
     """Qwen3.5 (gated DeltaNet with fla's kernels as opaque CPU stand-ins, full attention every
@@ -132,10 +137,11 @@ def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_p
     config, parallel, given_limit, limit_gib = MODEL_JOBS[name]
     pipelined = PIPELINE_PARALLEL[0] in parallel
     job = ("--module", "torchtitan03_ext", "--config", config, *parallel)
-    out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job)
+    out, base = run_titan(tmp_path, "none", "activation-checkpoint:none", job=job, steps=MODEL_STEPS)
     _ok(out)
     limit_args = () if given_limit is None else ("--activation-checkpoint.limit_gib", str(given_limit))
-    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", *limit_args, job=job)
+    out, records = run_titan(tmp_path, "tapesac", "activation-checkpoint:tapesac", *limit_args, job=job,
+                             steps=MODEL_STEPS)
     _ok(out)
     assert [r["losses"] for r in records] == [r["losses"] for r in base]  # every step, every rank, to the bit
     r0, r1 = records

@@ -166,19 +166,24 @@ COMPILE_JOBS = {"llama3": "llama3_debug_cpu", "qwen3 MoE": "qwen3_moe_debug_cpu"
 (fla-core 0.6.0's gated delta rule is compile-disabled, torchtitan compiles blocks whole):
 ``torchtitan03_ext.fla_cpu.use_custom_ops``."""
 BUDGETS = (0.8, 0.5, 0.2)
+QUICK_BUDGETS = (0.8, 0.2)
+"""``--quick``'s budgets: on llama3 the first gives a TapeSAC+compile run, the second a refusal."""
 METER_STEP_1B = 6
 """Claim 1b's first metered step (the probe meters it and the next, recording the second)."""
-COMPILE_BASELINES = {
-    "compile, no AC": ["activation-checkpoint:none"],
-    "compile, full AC": ["activation-checkpoint:full"],
-    **{f"memory budget {b}": ["activation-checkpoint:memory-budget", "--activation-checkpoint.memory-budget", str(b)]
-       for b in BUDGETS},
-}
 
 
-def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log) -> dict:
+def compile_baselines(budgets: tuple[float, ...]) -> dict[str, list[str]]:
+    return {"compile, no AC": ["activation-checkpoint:none"],
+            "compile, full AC": ["activation-checkpoint:full"],
+            **{f"memory budget {b}": ["activation-checkpoint:memory-budget", "--activation-checkpoint.memory-budget",
+                                      str(b)] for b in budgets}}
+
+
+def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log,
+            budgets: tuple[float, ...] = BUDGETS) -> dict:
     """Compiled runs: torch.compile's memory budget against TapeSAC+compile (compiled mode) at each
     budget's measured peak, every policy once per round, the allocator meter for all."""
+    baselines = compile_baselines(budgets)
     meter_step, timed_from = METER_STEP_1B, 8  # warm-up, profile, verify and compiled re-plans, 2 metered
     steps = max(steps, timed_from + 4)
     results: dict = {}
@@ -188,13 +193,13 @@ def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log) -> dict:
         limits: dict[str, float] = {}
         for r in range(rounds):
             got: dict = {}
-            names = list(COMPILE_BASELINES)
+            names = list(baselines)
             for name in names[r % len(names):] + names[:r % len(names)]:
-                got[name] = run(config, ["--compile.enable", *COMPILE_BASELINES[name]], steps, meter_step, tmp,
+                got[name] = run(config, ["--compile.enable", *baselines[name]], steps, meter_step, tmp,
                                 f"{config}_c{r}_{len(got)}", meter="allocator")
             if not limits:  # TapeSAC's limits: each budget's peak in the first round
                 limits = {f"TapeSAC+compile @ memory budget {b} peak": got[f"memory budget {b}"]["peak_bytes"]
-                          for b in BUDGETS if not got[f"memory budget {b}"]["failed"]}
+                          for b in budgets if not got[f"memory budget {b}"]["failed"]}
             tnames = list(limits)
             for name in tnames[r % len(tnames):] + tnames[:r % len(tnames)]:
                 policy = ["--compile.enable", "activation-checkpoint:tapesac", "--activation-checkpoint.limit_gib",
@@ -208,7 +213,7 @@ def claim1b(jobs: list[str], rounds: int, steps: int, tmp: Path, log) -> dict:
                     ("refused: " + rec["error"]) if rec.get("refused") else "failed" if rec["failed"] else
                     f"{step_time(rec, timed_from) * 1e3:.0f} ms/step, peak {rec['peak_bytes'] / MIB:.1f} MiB"))
             per_round.append(got)
-        results[job] = {"rounds": per_round, "timed_from": timed_from, "limits": limits}
+        results[job] = {"rounds": per_round, "timed_from": timed_from, "limits": limits, "budgets": list(budgets)}
     return results
 
 
@@ -239,7 +244,7 @@ def summarise1b(results: dict) -> dict:
                           "same_losses": base is not None and not base["failed"]
                           and all(r["losses"] == base["losses"] for r in recs)}
         pairs = []
-        for b in BUDGETS:
+        for b in res.get("budgets", BUDGETS):
             mb, ts = f"memory budget {b}", f"TapeSAC+compile @ memory budget {b} peak"
             if ts not in rows or rows[mb].get("failed") or rows[ts].get("failed"):
                 pairs.append({"budget": b, "tapesac": None})
@@ -534,6 +539,12 @@ def _refusal(row: dict) -> str:
     return f"stopped at step {m.group(1)}: replay-only measured {m.group(2)}" if m else "refused"
 
 
+def budgets_run(data: dict) -> list[float]:
+    """Every budget some job of claim 1b ran, in ``BUDGETS``' order."""
+    ran = {b for res in data["claim1b"].values() for b in res.get("budgets", BUDGETS)}
+    return [b for b in BUDGETS if b in ran]
+
+
 def budget_section(data: dict) -> list[str]:
     summary = data["claim1b_summary"]
     rounds = len(next(iter(data["claim1b"].values()))["rounds"])
@@ -543,7 +554,7 @@ def budget_section(data: dict) -> list[str]:
              run_line(data, "1b") if one_run else "",
              "llama3, qwen3 MoE and Qwen3.5 dense, every run with "
              "`--compile.enable`: `activation-checkpoint:none`, `:full`, `:memory-budget` at budgets "
-             f"{', '.join(str(b) for b in BUDGETS)} (compile's partitioner saves by a knapsack over FLOPs and "
+             f"{', '.join(str(b) for b in budgets_run(data))} (compile's partitioner saves by a knapsack over FLOPs and "
              "bytes), and `:tapesac` in compiled mode (TapeSAC's plan run through torch.compile) at each budget's "
              "measured peak, given as its limit. Every peak is read by the CPU allocator's events over the step "
              "(`tapesac.meter.AllocatorPeak`), which see compiled code: parameters, gradients, optimizer state "
@@ -838,7 +849,8 @@ def page(data: dict, args: argparse.Namespace, out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="one job, one round, one batch, 50 end-to-end steps on llama3 (a smoke run, < 10 min)")
+                    help="one job, one round, one batch, compile's budgets 0.8 and 0.2 only, 50 end-to-end steps on "
+                         "llama3 (a smoke run, < 10 min)")
     ap.add_argument("--claims", default="1,1b,2,3,4,5,6",
                     help="1b: claim 1's jobs compiled (Qwen3.5 dense with its kernels as custom ops), against "
                          "compile's memory budget")
@@ -918,7 +930,8 @@ def main() -> None:
             compile_jobs = [j for j in jobs if j in COMPILE_JOBS]
             earlier = data.get("claim1b", {}) if args.merge else {}
             earlier_run = data.get("claim1b_run")
-            fresh = timed("1b", lambda: claim1b(compile_jobs, args.rounds, steps + 4, tmp, log))
+            fresh = timed("1b", lambda: claim1b(compile_jobs, args.rounds, steps + 4, tmp, log,
+                                                QUICK_BUDGETS if args.quick else BUDGETS))
             for job in fresh:
                 fresh[job]["run"] = data["claim1b_run"]
             for job in earlier:  # jobs not run again keep their numbers and say where they come from
