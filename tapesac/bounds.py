@@ -23,10 +23,11 @@ code, and reads each storage's upper bound from the value ranges of its symbolic
   argument equal to a symbolic size's profiled value is taken to be that size.
 
 Where the rerun cannot follow (an opaque kernel or a DTensor op reading a value of symbolic size,
-an op whose fake rule needs a concrete size), the tape is *unbounded*, with the reason; so is a
-storage whose size differs between recordings of one block kind although no source above explains
-it (a size derived on the host from counts it read with ``tolist``): see
-:func:`check_recordings`. The planner then falls back to the profiled sizes and says so.
+an op whose fake rule needs a concrete size), the tape is *unbounded*, with the reason: the
+planner falls back to the profiled sizes and says so. A storage the block allocates whose size
+differs between recordings of one block kind although no source above explains it (a size derived
+on the host from counts it read with ``tolist``) makes the block unbounded too; that storage is
+planned at its largest recorded size, the others at their bounds: see :func:`check_recordings`.
 """
 
 from __future__ import annotations
@@ -87,28 +88,39 @@ def size_bounds(tape: "Tape") -> SizeBounds:
         try:
             return _Rerun(tape).run()
         except _Unbounded as e:
-            return SizeBounds({}, str(e))
+            return SizeBounds({}, f"{e}; planned at the profiled step's sizes")
         except Exception as e:  # noqa: BLE001 - a bound that fails leaves the block planned as profiled
-            return SizeBounds({}, f"the rerun failed ({type(e).__name__}: {str(e)[:200]})")
+            return SizeBounds({}, f"the rerun failed ({type(e).__name__}: {str(e)[:200]}); planned at the "
+                                  "profiled step's sizes")
 
 
 def check_recordings(tapes: Iterable["Tape"], bounds: SizeBounds) -> SizeBounds:
-    """``bounds`` (of tapes of one block kind), unbounded where a storage's size differs between
-    the recordings but the rerun found it fixed: a size the bound does not follow."""
+    """``bounds`` (of tapes of one block kind), unbounded where a storage the block allocates
+    differs in size between the recordings but the rerun found it fixed: a size the bound does
+    not follow. Such storages are planned at the largest size recorded, and the other storages'
+    bounds stand. A block's inputs and parameters are the caller's bytes, never the plan's: their
+    sizes may differ (Qwen3.5's document boundaries, one per packed document)."""
     tapes = list(tapes)
     if bounds.unbounded or len(tapes) < 2:
         return bounds
     first = tapes[0]
+    largest: dict[int, int] = {}
     for t in tapes[1:]:
         for s, nbytes in first.storage_nbytes.items():
             other = t.storage_nbytes.get(s, nbytes)
-            if other != nbytes and s not in bounds.bytes:
-                v = next((v for v in first.values if v.sid == s), None)
-                where = f"op {v.op} ({first.op_name(v.op)})" if v is not None and v.op >= 0 else f"storage {s}"
-                return SizeBounds({}, f"the output of {where} changes size between recordings ({nbytes} and "
-                                      f"{other} bytes) but comes from no size the bound follows (a size computed "
-                                      "on the host, e.g. from counts read with tolist)")
-    return bounds
+            if other != nbytes and s not in bounds.bytes and s not in first.external_sids:
+                largest[s] = max(largest.get(s, nbytes), nbytes, other)
+    if not largest:
+        return bounds
+    s = next(iter(largest))
+    v = next((v for v in first.values if v.sid == s), None)
+    where = f"op {v.op} ({first.op_name(v.op)})" if v is not None and v.op >= 0 else f"storage {s}"
+    sizes = sorted({t.storage_nbytes.get(s, 0) for t in tapes})
+    more = f" (and {len(largest) - 1} more storage(s))" if len(largest) > 1 else ""
+    return SizeBounds({**bounds.bytes, **largest},
+                      f"the output of {where}{more} changes size between recordings ({sizes[0]} to {sizes[-1]} "
+                      "bytes) but comes from no size the bound follows (a size computed on the host, e.g. from "
+                      "counts read with tolist); planned at the largest size recorded")
 
 
 class _Rerun:

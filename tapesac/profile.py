@@ -120,7 +120,7 @@ def block_graph(tape: Tape, op_time_s: list[float] | None = None,
     g.fixed_bytes = sum(storage_bytes[s] for s in held)
     if bounds is not None and bounds.unbounded:
         g.data_dependent = bounds.unbounded
-    elif bounds is not None and bounds.bytes:
+    if bounds is not None and bounds.bytes:
         g.storage_bound_bytes = [max(b, float(bounds.bytes.get(s, 0))) for s, b in enumerate(storage_bytes)]
         g.fixed_bound_bytes = sum(g.storage_bound_bytes[s] for s in held)
     unseen = {values[v].sid for v in needed if tape.produced(v)

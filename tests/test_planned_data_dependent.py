@@ -21,6 +21,7 @@ from torch import nn
 import tapesac
 from tapesac.autoplan import PlanConfig
 from tapesac.bounds import check_recordings, size_bounds
+from tapesac.profile import block_graph
 
 from .loops import train
 
@@ -202,6 +203,51 @@ def test_a_size_computed_on_the_host_that_moves_between_recordings_is_reported_u
     assert checked.unbounded and "changes size between recordings" in checked.unbounded
     same = [recorded(block, x, torch.arange(16).view(2, 8) < 7) for _ in range(2)]
     assert check_recordings(same, size_bounds(same[0])).unbounded is None
+
+
+class RoutedAndCut(nn.Module):
+    """:class:`Routed`'s MLP on the rows ``mask`` picks (bounded), a ``Linear`` on the first
+    ``mask.sum()`` rows read on the host (no bound follows), and ``docs``, an input of the block
+    whose length the data sets (as Qwen3.5's document boundaries, one per packed document)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.routed = Routed(d)
+        self.cut = nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        n = int(mask.sum())
+        return self.routed(x, mask).sum() + self.cut(x.flatten(0, 1)[:n]).relu().sum() + docs.sum()
+
+
+def test_a_size_no_bound_follows_is_planned_at_its_largest_recording_and_the_other_bounds_stand():
+    torch.manual_seed(0)
+    block = RoutedAndCut(32)
+    x = torch.randn(2, 32, 32, requires_grad=True)
+    rows = (5, 12)  # under 16: the rerun does not take the host's count for the mask's size
+    tapes = [recorded(block, x, torch.arange(64).view(2, 32) < n, torch.zeros(d)) for n, d in zip(rows, (3, 5))]
+    alone = [size_bounds(t) for t in tapes]
+    assert all(b.unbounded is None and b.bytes for b in alone)
+    merged = alone[0].merge(alone[1])
+    checked = check_recordings(tapes, merged)
+    assert checked.unbounded and "changes size between recordings" in checked.unbounded
+    assert "largest size recorded" in checked.unbounded
+    # The mask's bounds stand; the host-cut Linear's output is planned at its larger recording.
+    assert {s: checked.bytes[s] for s in merged.bytes} == merged.bytes
+    tape = tapes[0]
+    cut = {v.sid for v in tape.values if v.op >= 0 and tape.op_name(v.op) == "aten.addmm.default"
+           and v.shape == (rows[0], 64)}
+    assert cut and all(checked.bytes[s] == rows[1] * 64 * 4 for s in cut)
+    # The block's input is the caller's, never counted as kept: its length moving is not blamed.
+    docs = {v.sid for v in tape.values if v.op < 0 and v.shape == (3,)}
+    assert docs and not docs & set(checked.bytes)
+    g = block_graph(tape, bounds=checked)
+    assert g.data_dependent == checked.unbounded
+    assert all(g.storage_bound_bytes[s] == rows[1] * 64 * 4 for s in cut)
+    # Only the input's length moving: nothing to bound, nothing to warn of.
+    plain = [recorded(block, x, torch.arange(64).view(2, 32) < 10, torch.zeros(d)) for d in (3, 5)]
+    bounds = size_bounds(plain[0]).merge(size_bounds(plain[1]))
+    assert check_recordings(plain, bounds) == bounds
 
 
 def test_an_unknown_data_dependent_sizes_setting_is_refused_with_the_choices():

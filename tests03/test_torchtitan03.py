@@ -89,7 +89,9 @@ PIPELINE_PARALLEL = ("--parallelism.pipeline_parallel_degree", "2", "--training.
 MODEL_JOBS = {
     "qwen35-dense": ("qwen35_debug_cpu", (), None, 0.13 * 0.9),
     "qwen35-moe": ("qwen35_moe_debug_cpu", (), None, 0.146 * 0.9),
-    "qwen35-moe-ep2": ("qwen35_moe_debug_cpu", EXPERT_PARALLEL, None, 0.146 * 0.9),
+    # Two micro-batches a step: each packs its own documents, so the DeltaNet blocks' document
+    # boundaries (an input, and a clone of it) differ in size between the two recordings.
+    "qwen35-moe-ep2": ("qwen35_moe_debug_cpu", (*EXPERT_PARALLEL, "--training.global_batch_size", "8"), 0.15, 0.15),
     "qwen3-moe-ep2": ("qwen3_moe_debug_cpu", EXPERT_PARALLEL, None, 0.24 * 0.9),
     "deepseek_v3": ("deepseek_v3_debug_cpu", (), None, 0.5 * 0.9),
     # TP 2 with sequence parallelism: step frontier 56.5 to 81.0 MiB (2026-12-06); limit 66.6 MiB.
@@ -169,7 +171,11 @@ def test_two_rank_model_jobs_at_their_limit_match_no_checkpointing_bitwise(tmp_p
     if EXPERT_PARALLEL[0] in parallel:
         # The all-to-all's received tokens depend on the routing: every block planned at its bounds.
         assert "4 block(s) have sizes that depend on the data; planned at their largest" in log
-        assert "no bound follows" not in log
+        if config.startswith("qwen35"):  # micro-batches: the clone of the document boundaries has no bound
+            warned = [line for line in log.splitlines() if "no bound follows" in line]
+            assert warned and all("op 7 (aten.clone.default)" in w and "largest size recorded" in w for w in warned)
+        else:
+            assert "no bound follows" not in log
         for record in records:
             assert all(s["measured_peak_bytes"] <= s["predicted_peak_bytes"] for s in record["history"])
 

@@ -195,9 +195,9 @@ class PlanMaker:
         reasons = {signatures[b]: (b, sb.unbounded) for b, sb in merged.items() if sb.unbounded}
         for _sig, (b, why) in reasons.items():
             self._log(logging.WARNING, "TapeSAC: block %d (and those like it) has sizes that depend on the data "
-                      "that no bound follows: %s. It is planned at the profiled step's sizes; only "
-                      "safety_margin covers a step that routes more", b, why)
-        bounded = sum(1 for sb in merged.values() if sb.bytes and not sb.unbounded)
+                      "that no bound follows: %s. Only safety_margin covers a step whose sizes there are "
+                      "larger", b, why)
+        bounded = sum(1 for sb in merged.values() if sb.bytes)  # unbounded ones too: their other bounds stand
         if bounded:
             self._log(logging.INFO, "TapeSAC: %d block(s) have sizes that depend on the data; planned at their "
                       "largest (data_dependent_sizes=\"bound\")", bounded)

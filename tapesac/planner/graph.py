@@ -57,12 +57,13 @@ class BlockGraph:
     signature: str = ""
     storage_bound_bytes: list[float] | None = None
     """Where sizes depend on the data (``tapesac.bounds``): the most bytes any step can hold in
-    each storage (the profiled bytes where the size is fixed). None: every size is fixed, or no
-    bound could be derived (``data_dependent`` says why)."""
+    each storage (the profiled bytes where the size is fixed; the largest recorded where no bound
+    follows, ``data_dependent`` says why). None: every size is fixed, or the rerun could not run."""
     fixed_bound_bytes: float = 0.0
     """``fixed_bytes`` at the bounds."""
     data_dependent: str | None = None
-    """Why sizes that depend on the data are planned at the profiled step's sizes, or None."""
+    """Why some sizes that depend on the data have no bound (planned at the profiled step's sizes,
+    or the largest recorded), or None."""
 
     # Derived ---------------------------------------------------------------------------------
 
