@@ -115,7 +115,7 @@ def check_recordings(tapes: Iterable["Tape"], bounds: SizeBounds) -> SizeBounds:
     s = next(iter(largest))
     v = next((v for v in first.values if v.sid == s), None)
     where = f"op {v.op} ({first.op_name(v.op)})" if v is not None and v.op >= 0 else f"storage {s}"
-    sizes = sorted({t.storage_nbytes.get(s, 0) for t in tapes})
+    sizes = sorted({t.storage_nbytes[s] for t in tapes if s in t.storage_nbytes})
     more = f" (and {len(largest) - 1} more storage(s))" if len(largest) > 1 else ""
     return SizeBounds({**bounds.bytes, **largest},
                       f"the output of {where}{more} changes size between recordings ({sizes[0]} to {sizes[-1]} "
