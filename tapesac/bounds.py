@@ -94,6 +94,24 @@ def size_bounds(tape: "Tape") -> SizeBounds:
                                   "profiled step's sizes")
 
 
+def storage_map(src: "Tape", dst: "Tape") -> dict[int, int]:
+    """``src``'s storage ids -> ``dst``'s, through the values the same ops produced. Tapes of one
+    block kind run one program, but each numbers its storages itself: under tensor parallelism,
+    the first block's tape numbers them otherwise than the next ones'."""
+    where = {(v.op, v.slot): v.sid for v in dst.values if v.op >= 0}
+    out: dict[int, int] = {}
+    for v in src.values:
+        if v.op >= 0 and (v.op, v.slot) in where:
+            out.setdefault(v.sid, where[(v.op, v.slot)])
+    return out
+
+
+def moved(bounds: SizeBounds, src: "Tape", dst: "Tape") -> SizeBounds:
+    """``bounds`` of ``src``'s storages, as ``dst``'s storage ids."""
+    m = storage_map(src, dst)
+    return SizeBounds({m[s]: n for s, n in bounds.bytes.items() if s in m}, bounds.unbounded)
+
+
 def check_recordings(tapes: Iterable["Tape"], bounds: SizeBounds) -> SizeBounds:
     """``bounds`` (of tapes of one block kind), unbounded where a storage the block allocates
     differs in size between the recordings but the rerun found it fixed: a size the bound does
@@ -105,20 +123,22 @@ def check_recordings(tapes: Iterable["Tape"], bounds: SizeBounds) -> SizeBounds:
         return bounds
     first = tapes[0]
     largest: dict[int, int] = {}
+    sizes: dict[int, set[int]] = {}
     for t in tapes[1:]:
-        for s, nbytes in first.storage_nbytes.items():
-            other = t.storage_nbytes.get(s, nbytes)
+        for s, theirs in storage_map(first, t).items():
+            nbytes, other = first.storage_nbytes[s], t.storage_nbytes[theirs]
             if other != nbytes and s not in bounds.bytes and s not in first.external_sids:
                 largest[s] = max(largest.get(s, nbytes), nbytes, other)
+                sizes.setdefault(s, {nbytes}).add(other)
     if not largest:
         return bounds
     s = next(iter(largest))
     v = next((v for v in first.values if v.sid == s), None)
     where = f"op {v.op} ({first.op_name(v.op)})" if v is not None and v.op >= 0 else f"storage {s}"
-    sizes = sorted({t.storage_nbytes[s] for t in tapes if s in t.storage_nbytes})
+    lo, hi = min(sizes[s]), max(sizes[s])
     more = f" (and {len(largest) - 1} more storage(s))" if len(largest) > 1 else ""
     return SizeBounds({**bounds.bytes, **largest},
-                      f"the output of {where}{more} changes size between recordings ({sizes[0]} to {sizes[-1]} "
+                      f"the output of {where}{more} changes size between recordings ({lo} to {hi} "
                       "bytes) but comes from no size the bound follows (a size computed on the host, e.g. from "
                       "counts read with tolist); planned at the largest size recorded")
 

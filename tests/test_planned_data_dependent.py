@@ -20,7 +20,7 @@ from torch import nn
 
 import tapesac
 from tapesac.autoplan import PlanConfig
-from tapesac.bounds import check_recordings, size_bounds
+from tapesac.bounds import SizeBounds, check_recordings, moved, size_bounds
 from tapesac.profile import block_graph
 
 from .loops import train
@@ -248,6 +248,40 @@ def test_a_size_no_bound_follows_is_planned_at_its_largest_recording_and_the_oth
     plain = [recorded(block, x, torch.arange(64).view(2, 32) < 10, torch.zeros(d)) for d in (3, 5)]
     bounds = size_bounds(plain[0]).merge(size_bounds(plain[1]))
     assert check_recordings(plain, bounds) == bounds
+
+
+class SideInput(nn.Module):
+    """Reads ``y`` before anything else, then :class:`HostSized`'s cut: where ``y`` is ``x`` the
+    tape numbers one storage fewer before the cut's, as tensor parallelism's first block does."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = (y * 2).sum()
+        n = int(mask.sum())
+        return self.up(x.flatten(0, 1)[:n]).relu().sum() + s
+
+
+def test_recordings_are_compared_value_by_value_where_their_storages_are_numbered_otherwise():
+    torch.manual_seed(0)
+    block = SideInput()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+
+    def record(y, n):
+        return recorded(block, x, y, torch.arange(16).view(2, 8) < n)
+
+    same = [record(x, 5), record(x.detach().clone().requires_grad_(), 5)]
+    cut = [[v for v in t.values if v.op >= 0 and t.op_name(v.op) == "aten.addmm.default"][0] for t in same]
+    assert cut[0].sid != cut[1].sid  # the same value, in storages numbered otherwise
+    assert check_recordings(same, size_bounds(same[0])) == SizeBounds()  # nothing moved: no warning
+    moving = [record(x, 5), record(x.detach().clone().requires_grad_(), 12)]
+    checked = check_recordings(moving, size_bounds(moving[0]))
+    assert "aten.addmm.default" in checked.unbounded and "(640 to 1536 bytes)" in checked.unbounded
+    assert checked.bytes[cut[0].sid] == 12 * 32 * 4
+    # Bounds move between tapes by the same values.
+    assert moved(SizeBounds({cut[0].sid: 7}), same[0], same[1]).bytes == {cut[1].sid: 7}
 
 
 def test_an_unknown_data_dependent_sizes_setting_is_refused_with_the_choices():

@@ -11,7 +11,7 @@ import torch
 
 from .. import distributed as tdist
 from ..artifacts import save_plan
-from ..bounds import SizeBounds, check_recordings, size_bounds
+from ..bounds import SizeBounds, check_recordings, moved, size_bounds
 from ..errors import PlanError, PolicyError
 from ..planner import Plan, make_plan
 from ..planner.compiled_cost import compiled_costs
@@ -181,13 +181,13 @@ class PlanMaker:
         mine: dict[int, tuple[dict[int, int], str | None]] = {}
         for blocks in by_kind.values():
             tapes = [t for b in blocks for t in by_block[b]]
-            per_tape = [size_bounds(t) for t in tapes]
-            kind = per_tape[0]
-            for other in per_tape[1:]:
-                kind = kind.merge(other)
+            first = tapes[0]  # the kind's bounds in its storage ids, each block's in its own
+            kind = size_bounds(first)
+            for t in tapes[1:]:
+                kind = kind.merge(moved(size_bounds(t), t, first))
             kind = check_recordings(tapes, kind)
             for b in blocks:
-                mine[b] = (kind.bytes, kind.unbounded)
+                mine[b] = (moved(kind, first, by_block[b][0]).bytes, kind.unbounded)
         merged: dict[int, SizeBounds] = {}
         for theirs in tdist.all_gather(mine, self.group):
             for b, (nbytes, why) in theirs.items():
